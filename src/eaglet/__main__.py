@@ -1,0 +1,5 @@
+import sys
+
+from eaglet.cli import main
+
+sys.exit(main())

@@ -1,0 +1,94 @@
+"""In-process generation with `transformers`: the embedded default, on CPU or GPU.
+
+Prompts are rendered with the target's chat template, sorted by length, left-padded into
+batches and decoded greedily (temperature 0) or by sampling under a fixed seed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any
+
+from eaglet.chat import prompt_ids, stop_ids
+from eaglet.target import TargetSpec, load_model, load_tokenizer, pick_device
+
+
+class TransformersBackend:
+    concurrency = 1  # one batch at a time: the model already uses every core
+
+    def __init__(self, name: str, spec: TargetSpec, cfg: dict, threads: int | None = None):
+        import torch
+
+        self.name, self.spec, self.cfg = name, spec, cfg
+        threads = threads or cfg.get("threads") or 0
+        if threads:
+            torch.set_num_threads(threads)
+        self.device = pick_device(cfg["device"])
+        self.tokenizer = load_tokenizer(spec)
+        self.model = load_model(spec, self.device, cfg["dtype"])
+        self.stop = stop_ids(self.tokenizer, self.model)
+        self.pad = self.tokenizer.pad_token_id
+        if self.pad is None:
+            self.pad = self.stop[0]
+
+    def plan(self, requests: list[dict]) -> list[list[dict]]:
+        for r in requests:
+            r["_ids"] = prompt_ids(self.tokenizer, r["messages"])
+        ordered = sorted(requests, key=lambda r: len(r["_ids"]))
+        size = self.cfg["batch_size"]
+        return [ordered[i : i + size] for i in range(0, len(ordered), size)]
+
+    async def generate(self, batch: list[dict]) -> list[dict]:
+        return await asyncio.to_thread(self._generate, batch)
+
+    async def close(self) -> None:
+        return None
+
+    def _generate(self, batch: list[dict]) -> list[dict]:
+        import torch
+
+        sampling = batch[0]["sampling"]
+        assert all(r["sampling"] == sampling for r in batch), "one sampling setting per batch"
+        width = max(len(r["_ids"]) for r in batch)
+        ids = torch.full((len(batch), width), self.pad, dtype=torch.long)
+        mask = torch.zeros_like(ids)
+        for i, r in enumerate(batch):  # left padding keeps every prompt's end aligned
+            n = len(r["_ids"])
+            ids[i, width - n :] = torch.tensor(r["_ids"])
+            mask[i, width - n :] = 1
+        kwargs: dict[str, Any] = {"max_new_tokens": sampling["max_new_tokens"], "do_sample": False}
+        if sampling["temperature"] > 0:
+            torch.manual_seed(sampling["seed"])
+            kwargs.update(
+                do_sample=True, temperature=sampling["temperature"], top_p=sampling["top_p"]
+            )
+            if sampling["top_k"] > 0:
+                kwargs["top_k"] = sampling["top_k"]
+        t0 = time.monotonic()
+        with torch.inference_mode():
+            out = self.model.generate(
+                input_ids=ids.to(self.device),
+                attention_mask=mask.to(self.device),
+                pad_token_id=self.pad,
+                eos_token_id=self.stop,
+                **kwargs,
+            )
+        latency = time.monotonic() - t0
+        results = []
+        for i, r in enumerate(batch):
+            new = out[i, width:].tolist()
+            end = next((j for j, t in enumerate(new) if t in self.stop), None)
+            output_ids = new if end is None else new[: end + 1]  # keep the stop token, as SGLang
+            results.append(
+                {
+                    "response": self.tokenizer.decode(output_ids, skip_special_tokens=True),
+                    "output_ids": output_ids,
+                    "prompt_tokens": len(r["_ids"]),
+                    "completion_tokens": len(output_ids),
+                    "finish_reason": "length" if end is None else "stop",
+                    "model": self.spec.name,
+                    "latency_s": round(latency, 4),
+                }
+            )
+        return results

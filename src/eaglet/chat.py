@@ -1,0 +1,21 @@
+"""Rendering conversations with the target's own chat template, as token ids."""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def prompt_ids(tokenizer: Any, messages: list[dict]) -> list[int]:
+    """Token ids of the prompt rendered with the generation prompt, as the target sees it."""
+    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+def stop_ids(tokenizer: Any, model_config: Any = None) -> list[int]:
+    """Token ids that end an assistant turn: the tokenizer's eos plus the model's own."""
+    ids = {tokenizer.eos_token_id}
+    eos = getattr(getattr(model_config, "generation_config", None), "eos_token_id", None)
+    if eos is None and model_config is not None:
+        eos = getattr(model_config, "eos_token_id", None)
+    ids.update(eos if isinstance(eos, list) else [eos])
+    return sorted(i for i in ids if i is not None)

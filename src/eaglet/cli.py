@@ -1,0 +1,121 @@
+"""The `eaglet` command line: one subcommand per stage, plus keys and status.
+
+Each stage command writes to its current keyed path (or `--out`) and prints that path.
+User errors are one line on stderr and exit code 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+from eaglet import __version__
+from eaglet.errors import EagletError
+
+
+def _params(args: argparse.Namespace):
+    from eaglet import params
+
+    return params.load(args.params)
+
+
+def _checked(args: argparse.Namespace, stage: str):
+    """Params of a stage command; with --key, refuse to build under a key that is not current."""
+    params = _params(args)
+    if args.key:
+        from eaglet.keys import Keys
+
+        current = Keys(params).key(stage, args.dataset)
+        if args.key != current:
+            raise EagletError(
+                f"{stage}/{args.dataset}: key {args.key} is not the current key {current} "
+                "(params or code changed since the graph was planned)"
+            )
+    return params
+
+
+def cmd_prompts(args: argparse.Namespace) -> None:
+    from eaglet import prompts
+
+    print(prompts.build(_checked(args, "prompts"), args.dataset, out=args.out))
+
+
+def cmd_generate(args: argparse.Namespace) -> None:
+    from eaglet import generate
+
+    params = _checked(args, "responses")
+    print(
+        generate.build(params, args.dataset, out=args.out, threads=args.threads, quiet=args.quiet)
+    )
+
+
+def cmd_status(args: argparse.Namespace) -> None:
+    from eaglet import status
+
+    status.show(_params(args), as_json=args.json)
+
+
+def cmd_path(args: argparse.Namespace) -> None:
+    from eaglet.keys import Keys
+
+    print(Keys(_params(args)).path(args.stage, args.name))
+
+
+def _add_common(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--params",
+        default=os.environ.get("EAGLET_PARAMS", "params.yaml"),
+        help="params file (default: $EAGLET_PARAMS or ./params.yaml)",
+    )
+
+
+def parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="eaglet", description=__doc__.splitlines()[0])
+    ap.add_argument("--version", action="version", version=f"eaglet {__version__}")
+    sub = ap.add_subparsers(dest="command", required=True)
+
+    def stage(name: str, fn: Callable, help: str, what: str = "dataset") -> argparse.ArgumentParser:
+        p = sub.add_parser(name, help=help)
+        p.add_argument(what, help=f"{what} name from params.yaml")
+        p.add_argument("--out", type=Path, help="write here instead of the keyed path")
+        p.add_argument("--key", help="fail unless this is the artifact's current key")
+        _add_common(p)
+        p.set_defaults(fn=fn)
+        return p
+
+    stage("prompts", cmd_prompts, "read a raw dataset into prompt records")
+    g = stage("generate", cmd_generate, "regenerate responses with the target")
+    g.add_argument("--threads", type=int, help="torch threads (Snakemake passes {threads})")
+    g.add_argument("--quiet", action="store_true", help="log lines instead of a live bar")
+
+    p = sub.add_parser("status", help="every artifact: current key, built or missing, stats")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    _add_common(p)
+    p.set_defaults(fn=cmd_status)
+
+    p = sub.add_parser("path", help="print the current keyed path of an artifact")
+    p.add_argument("stage")
+    p.add_argument("name")
+    _add_common(p)
+    p.set_defaults(fn=cmd_path)
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    try:
+        args.fn(args)
+    except EagletError as e:
+        print(f"eaglet: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("eaglet: interrupted", file=sys.stderr)
+        return 130
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

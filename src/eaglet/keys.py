@@ -1,0 +1,211 @@
+"""Content keys and keyed paths: the one place that says where each artifact lives.
+
+key(stage, name) = first 12 hex of SHA-256 over the canonical JSON of
+    [stage, code key of the stage's module, the stage's slice of params, upstream keys]
+so an artifact's path changes exactly when something that made it changes; "stale" never
+depends on mtimes. The code key hashes the AST (docstrings stripped) of the stage's module and of
+every eaglet module it imports, transitively: comments and formatting change nothing.
+"""
+
+from __future__ import annotations
+
+import ast
+import hashlib
+import importlib.util
+from collections.abc import Callable
+from dataclasses import dataclass
+from functools import cache
+from pathlib import Path
+
+from eaglet import __version__
+from eaglet.errors import EagletError
+from eaglet.hashing import file_digest
+from eaglet.io import dumps
+from eaglet.params import Params
+from eaglet.target import resolve
+
+KEY_LEN = 12
+
+
+@dataclass(frozen=True)
+class Stage:
+    name: str
+    module: str  # the module whose code (and imports) make the artifact
+    ext: str  # file suffix, or "/" for a directory artifact
+    kind: str  # what the name names: "dataset" or "drafter"
+
+
+STAGES: dict[str, Stage] = {
+    s.name: s
+    for s in [
+        Stage("prompts", "eaglet.prompts", ".jsonl.zst", "dataset"),
+        Stage("responses", "eaglet.generate", ".jsonl.zst", "dataset"),
+    ]
+}
+
+
+@cache
+def code_key(module: str) -> str:
+    """Hash of the normalized AST of `module` and the eaglet modules it imports (transitively)."""
+    h = hashlib.sha256()
+    for name in sorted(_closure(module)):
+        h.update(f"{name}\0{_ast_digest(name)}\n".encode())
+    return h.hexdigest()[:KEY_LEN]
+
+
+def _source(module: str) -> Path:
+    spec = importlib.util.find_spec(module)
+    if spec is None or spec.origin is None:
+        raise EagletError(f"code key: module {module} not found")
+    return Path(spec.origin)
+
+
+def _is_module(name: str) -> bool:
+    try:
+        return importlib.util.find_spec(name) is not None
+    except (ImportError, ValueError):
+        return False
+
+
+@cache
+def _tree(module: str) -> ast.Module:
+    tree = ast.parse(_source(module).read_text(encoding="utf-8"))
+    for node in ast.walk(tree):
+        body = getattr(node, "body", None)
+        if (
+            isinstance(body, list)
+            and body
+            and isinstance(body[0], ast.Expr)
+            and isinstance(body[0].value, ast.Constant)
+            and isinstance(body[0].value.value, str)
+        ):
+            node.body = body[1:] or [ast.Pass()]
+    return tree
+
+
+def _ast_digest(module: str) -> str:
+    return hashlib.sha256(ast.dump(_tree(module)).encode()).hexdigest()
+
+
+def _imports(module: str) -> set[str]:
+    """eaglet modules imported anywhere in `module` (top level or inside functions)."""
+    found = set()
+    package = module if _source(module).name == "__init__.py" else module.rpartition(".")[0]
+    for node in ast.walk(_tree(module)):
+        if isinstance(node, ast.Import):
+            found.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                parts = package.split(".")
+                parent = ".".join(parts[: len(parts) - node.level + 1])
+                base = f"{parent}.{base}" if base else parent
+            for alias in node.names:
+                sub = f"{base}.{alias.name}"
+                found.add(sub if _is_module(sub) else base)
+    return {m for m in found if m == "eaglet" or m.startswith("eaglet.")}
+
+
+def _closure(module: str) -> set[str]:
+    seen, todo = set(), [module]
+    while todo:
+        m = todo.pop()
+        if m not in seen:
+            seen.add(m)
+            todo.extend(_imports(m) - seen)
+    return seen
+
+
+class Keys:
+    """Keys, paths and provenance of every artifact a params file defines (memoized)."""
+
+    def __init__(self, params: Params):
+        self.params = params
+        self._memo: dict[tuple[str, str], dict] = {}
+        self._target: dict | None = None
+
+    def target_identity(self) -> dict:
+        if self._target is None:
+            t = self.params.target
+            self._target = resolve(t["model"], t.get("revision"), self.params.root).identity()
+        return self._target
+
+    def provenance(self, stage: str, name: str) -> dict:
+        """What made the artifact: the inputs of its key, and the key itself."""
+        if (stage, name) not in self._memo:
+            st = STAGES[stage]
+            slice_, upstream = _SLICES[stage](self, name)
+            code = code_key(st.module)
+            payload = [stage, code, slice_, upstream]
+            key = hashlib.sha256(dumps(payload).encode()).hexdigest()[:KEY_LEN]
+            self._memo[(stage, name)] = {
+                "stage": stage,
+                st.kind: name,
+                "key": key,
+                "code_key": code,
+                "params": slice_,
+                "upstream": upstream,
+                "eaglet_version": __version__,
+            }
+        return self._memo[(stage, name)]
+
+    def key(self, stage: str, name: str) -> str:
+        return self.provenance(stage, name)["key"]
+
+    def path(self, stage: str, name: str) -> Path:
+        """data/<stage>/<name>/<key><ext>, under the params file's directory."""
+        st = STAGES[stage]
+        base = self.params.root / "data" / stage / name / self.key(stage, name)
+        return base if st.ext == "/" else base.with_name(base.name + st.ext)
+
+    def sidecar(self, stage: str, name: str) -> Path:
+        return sidecar_of(self.path(stage, name))
+
+
+def sidecar_of(artifact: Path) -> Path:
+    """The JSON beside an artifact (`<key>.json`): its provenance and stats."""
+    artifact = Path(artifact)
+    return artifact.parent / f"{artifact.name.split('.')[0]}.json"
+
+
+def _prompts_slice(keys: Keys, ds: str) -> tuple[dict, dict]:
+    p = keys.params
+    d = p.dataset(ds)
+    source = p.resolve(d["path"])
+    try:
+        digest = file_digest(source)
+    except FileNotFoundError:
+        raise EagletError(f"{p.path}: datasets.{ds}.path: {source}: no such file") from None
+    max_prompt_tokens = d.get("max_prompt_tokens", p.data["prompts"].get("max_prompt_tokens"))
+    slice_ = {
+        "source_sha256": digest,
+        "format": d["format"],
+        "max_samples": d.get("max_samples"),
+        "seed": d.get("prompt_seed", p.data["prompts"]["seed"]),
+        "max_prompt_tokens": max_prompt_tokens,
+    }
+    if max_prompt_tokens:
+        slice_["target"] = keys.target_identity()
+    return slice_, {}
+
+
+def _responses_slice(keys: Keys, ds: str) -> tuple[dict, dict]:
+    p = keys.params
+    sampling = p.generation(ds)
+    backend = p.backend_identity(sampling.pop("backend"))
+    d = p.dataset(ds)
+    slice_ = {
+        "backend": backend,
+        "sampling": sampling,
+        "token_budget": d.get("token_budget"),
+        "max_cost_usd": d.get("max_cost_usd"),
+    }
+    if backend["kind"] in ("transformers", "sglang"):
+        slice_["target"] = keys.target_identity()
+    return slice_, {"prompts": keys.key("prompts", ds)}
+
+
+_SLICES: dict[str, Callable[[Keys, str], tuple[dict, dict]]] = {
+    "prompts": _prompts_slice,
+    "responses": _responses_slice,
+}

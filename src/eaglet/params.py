@@ -1,0 +1,183 @@
+"""params.yaml: load, validate against the schema, fill defaults, resolve per-dataset settings.
+
+Every error is one line that names the file, the key path and what was expected.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+from dataclasses import dataclass
+from functools import cache
+from pathlib import Path
+from typing import Any
+
+import jsonschema
+import yaml
+
+from eaglet.errors import EagletError
+
+SCHEMA_PATH = Path(__file__).with_name("params.schema.yaml")
+GENERATION_KEYS = ("backend", "max_new_tokens", "temperature", "top_p", "top_k", "seed")
+# The settings of a backend that change what it returns (not how fast): they enter the keys.
+BACKEND_IDENTITY_KEYS = {
+    "transformers": ("kind", "dtype"),
+    "sglang": ("kind", "endpoint"),
+    "openai": ("kind", "base_url", "model", "provider", "reasoning", "extra_body"),
+}
+
+
+@cache
+def schema() -> dict:
+    return yaml.safe_load(SCHEMA_PATH.read_text())
+
+
+@dataclass(frozen=True)
+class Params:
+    """A validated params file with defaults filled in; paths resolve against its directory."""
+
+    path: Path
+    data: dict
+
+    @property
+    def root(self) -> Path:
+        return self.path.parent
+
+    @property
+    def target(self) -> dict:
+        return self.data["target"]
+
+    @property
+    def datasets(self) -> list[str]:
+        return list(self.data["datasets"])
+
+    @property
+    def drafters(self) -> list[str]:
+        return list(self.data["drafters"])
+
+    def dataset(self, name: str) -> dict:
+        try:
+            return self.data["datasets"][name]
+        except KeyError:
+            known = ", ".join(self.datasets)
+            raise EagletError(f"{self.path}: no dataset '{name}' (known: {known})") from None
+
+    def drafter(self, name: str) -> dict:
+        try:
+            return self.data["drafters"][name]
+        except KeyError:
+            known = ", ".join(self.drafters) or "none"
+            raise EagletError(f"{self.path}: no drafter '{name}' (known: {known})") from None
+
+    def resolve(self, relpath: str | os.PathLike) -> Path:
+        """A path from params, made absolute against the params file's directory."""
+        p = Path(os.path.expanduser(relpath))
+        return p if p.is_absolute() else self.root / p
+
+    def generation(self, dataset: str) -> dict:
+        """The dataset's generation settings: `generation:` overridden by the dataset's own."""
+        ds = self.dataset(dataset)
+        out = dict(self.data["generation"])
+        out.update({k: ds[k] for k in GENERATION_KEYS if k in ds})
+        return out
+
+    def backend(self, name: str) -> dict:
+        try:
+            return self.data["backends"][name]
+        except KeyError:
+            known = ", ".join(self.data["backends"])
+            raise EagletError(f"{self.path}: no backend '{name}' (known: {known})") from None
+
+    def backend_identity(self, name: str) -> dict:
+        """What about a backend changes its answers: enters the response keys."""
+        cfg = self.backend(name)
+        return {k: cfg[k] for k in BACKEND_IDENTITY_KEYS[cfg["kind"]] if k in cfg}
+
+
+def load(path: str | os.PathLike = "params.yaml") -> Params:
+    """Read, validate and complete a params file; raise EagletError with a one-line reason."""
+    path = Path(path).resolve()
+    try:
+        raw = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise EagletError(f"{path}: no such params file") from None
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f" line {mark.line + 1}" if mark else ""
+        problem = getattr(e, "problem", None) or str(e).splitlines()[0]
+        raise EagletError(f"{path}:{where} invalid YAML: {problem}") from None
+    if not isinstance(raw, dict):
+        raise EagletError(f"{path}: expected a mapping at the top level")
+    return from_dict(raw, path)
+
+
+def from_dict(raw: dict, path: Path) -> Params:
+    data = copy.deepcopy(raw)
+    _validate(data, path)
+    _fill_defaults(schema(), data, schema())
+    _check_references(data, path)
+    return Params(path=path, data=data)
+
+
+def _validate(data: dict, path: Path) -> None:
+    validator = jsonschema.Draft202012Validator(schema())
+    error = jsonschema.exceptions.best_match(validator.iter_errors(data))
+    if error is None:
+        return
+    # Descend into if/then and allOf to report the innermost, most specific failure.
+    while error.context:
+        error = jsonschema.exceptions.best_match(error.context)
+    where = ".".join(str(p) for p in error.absolute_path) or "(top level)"
+    raise EagletError(f"{path}: {where}: {error.message}")
+
+
+def _check_references(data: dict, path: Path) -> None:
+    backends = data["backends"]
+    for scope, cfg in [("generation", data["generation"])] + [
+        (f"datasets.{n}", d) for n, d in data["datasets"].items()
+    ]:
+        if "backend" in cfg and cfg["backend"] not in backends:
+            known = ", ".join(backends)
+            raise EagletError(
+                f"{path}: {scope}.backend: unknown backend '{cfg['backend']}' (known: {known})"
+            )
+    for name, drafter in data["drafters"].items():
+        for i, ds in enumerate(drafter["datasets"]):
+            if ds not in data["datasets"]:
+                raise EagletError(f"{path}: drafters.{name}.datasets.{i}: unknown dataset '{ds}'")
+
+
+def _resolve_ref(node: dict, root: dict) -> dict:
+    while "$ref" in node:
+        ref = node["$ref"]
+        assert ref.startswith("#/"), ref
+        node = root
+        for part in ref[2:].split("/"):
+            node = node[part]
+    return node
+
+
+def _fill_defaults(node: dict, value: Any, root: dict) -> None:
+    """Fill `default`s of the schema into an already-valid document, recursively."""
+    node = _resolve_ref(node, root)
+    if not isinstance(value, dict):
+        return
+    for sub in node.get("allOf", []):
+        if "if" in sub and jsonschema.Draft202012Validator(sub["if"]).is_valid(value):
+            _fill_defaults(sub.get("then", {}), value, root)
+    props = node.get("properties", {})
+    for key, sub in props.items():
+        if not isinstance(sub, dict):
+            continue
+        if key not in value and "default" in sub:  # a default beside a $ref wins
+            value[key] = copy.deepcopy(sub["default"])
+        sub = _resolve_ref(sub, root)
+        if key not in value and "default" in sub:
+            value[key] = copy.deepcopy(sub["default"])
+        if key in value:
+            _fill_defaults(sub, value[key], root)
+    extra = node.get("additionalProperties")
+    if isinstance(extra, dict):
+        for key, item in value.items():
+            if key not in props:
+                _fill_defaults(extra, item, root)

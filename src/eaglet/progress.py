@@ -1,0 +1,76 @@
+"""Honest progress for long stages: count, failures, rate, tokens/s, ETA and dollars.
+
+A rich live bar on a terminal; plain periodic lines on stderr with `--quiet` or without a TTY.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+
+LOG_EVERY_S = 10.0
+
+
+def _duration(seconds: float) -> str:
+    if seconds != seconds or seconds == float("inf"):
+        return "?"
+    s = int(seconds)
+    return f"{s // 3600}h{s % 3600 // 60:02d}m" if s >= 3600 else f"{s // 60}m{s % 60:02d}s"
+
+
+class Progress:
+    """Counts done/failed items, tokens and cost; renders to a TTY or logs lines."""
+
+    def __init__(self, label: str, total: int, quiet: bool = False, unit: str = "req"):
+        self.label, self.total, self.unit = label, total, unit
+        self.done = self.failed = self.tokens = 0
+        self.cost = 0.0
+        self.start = self._last_log = time.monotonic()
+        self._live = None
+        if not quiet and sys.stderr.isatty():
+            from rich.progress import BarColumn, TextColumn
+            from rich.progress import Progress as RichProgress
+
+            self._live = RichProgress(
+                TextColumn("[bold]{task.description}"),
+                BarColumn(),
+                TextColumn("{task.fields[line]}"),
+                transient=False,
+            )
+            self._task = self._live.add_task(label, total=total, line="")
+            self._live.start()
+
+    def update(self, n: int = 1, tokens: int = 0, cost: float | None = None, failed: int = 0):
+        self.done += n
+        self.failed += failed
+        self.tokens += tokens
+        self.cost += cost or 0.0
+        now = time.monotonic()
+        if self._live is not None:
+            self._live.update(self._task, completed=self.done, line=self.line())
+        elif now - self._last_log >= LOG_EVERY_S:
+            self._last_log = now
+            print(f"{self.label}: {self.line()}", file=sys.stderr, flush=True)
+
+    def line(self) -> str:
+        elapsed = max(time.monotonic() - self.start, 1e-9)
+        rate = self.done / elapsed
+        eta = (self.total - self.done) / rate if rate > 0 else float("inf")
+        pct = 100.0 * self.done / self.total if self.total else 100.0
+        parts = [
+            f"{self.done}/{self.total} ({pct:.0f}%)",
+            f"{rate:.2f} {self.unit}/s",
+            f"{self.tokens / elapsed:.0f} tok/s",
+            f"ETA {_duration(eta)}",
+        ]
+        if self.failed:
+            parts.insert(1, f"{self.failed} failed")
+        if self.cost:
+            projected = self.cost / self.done * self.total if self.done else 0.0
+            parts.append(f"${self.cost:.4f} (projected ${projected:.2f})")
+        return "  ".join(parts)
+
+    def close(self) -> None:
+        if self._live is not None:
+            self._live.stop()
+        print(f"{self.label}: done {self.line()}", file=sys.stderr, flush=True)

@@ -1,0 +1,60 @@
+"""The records every stage passes on: prompts and normalized responses."""
+
+from __future__ import annotations
+
+import hashlib
+
+from eaglet.io import dumps
+
+ID_LEN = 16
+RESPONSE_FIELDS = (
+    "id",
+    "dataset",
+    "messages",
+    "response",
+    "reasoning",
+    "output_ids",
+    "prompt_tokens",
+    "completion_tokens",
+    "finish_reason",
+    "backend",
+    "model",
+    "sampling",
+    "cost",
+    "latency_s",
+    "attempts",
+)
+
+
+def prompt_id(messages: list[dict]) -> str:
+    """Content hash of the canonical messages: the same prompt has the same id in every dataset."""
+    return hashlib.sha256(dumps(messages).encode("utf-8")).hexdigest()[:ID_LEN]
+
+
+def prompt_record(dataset: str, messages: list[dict], path: str, line: int) -> dict:
+    return {
+        "id": prompt_id(messages),
+        "dataset": dataset,
+        "messages": messages,
+        "source": {"path": path, "line": line},
+    }
+
+
+def response_record(prompt: dict, result: dict, backend: str, sampling: dict) -> dict:
+    """One normalized response, whatever the backend; `result` holds what the backend returned."""
+    rec = {
+        "id": prompt["id"],
+        "dataset": prompt["dataset"],
+        "messages": prompt["messages"],
+        "backend": backend,
+        "sampling": sampling,
+        "reasoning": None,
+        "output_ids": None,
+        "cost": None,
+        "attempts": 1,
+    }
+    rec.update(result)
+    missing = [f for f in RESPONSE_FIELDS if f not in rec]
+    if missing:
+        raise ValueError(f"response {prompt['id']}: backend result lacks {missing}")
+    return {f: rec[f] for f in RESPONSE_FIELDS}

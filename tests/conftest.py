@@ -1,0 +1,46 @@
+"""Shared fixtures: a small project directory with its own params file, and the real target."""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+DEMO = ROOT / "data" / "demo"
+FIXTURES = Path(__file__).parent / "fixtures"
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("DVC_NO_ANALYTICS", "1")
+
+
+def write_params(project: Path, data: dict) -> Path:
+    path = project / "params.yaml"
+    path.write_text(yaml.safe_dump(data, sort_keys=False))
+    return path
+
+
+@pytest.fixture
+def project(tmp_path: Path) -> Path:
+    """A project folder with the demo prompt files copied under data/demo/."""
+    shutil.copytree(DEMO, tmp_path / "data" / "demo")
+    return tmp_path
+
+
+def tiny_params(**generation) -> dict:
+    """Params for quick runs on the embedded target: two small datasets, short answers."""
+    gen = {"backend": "local", "max_new_tokens": 8, "temperature": 0.0, "seed": 0}
+    gen.update(generation)
+    return {
+        "target": {"model": "smollm2-135m-instruct"},
+        "backends": {"local": {"kind": "transformers", "batch_size": 8, "threads": 2}},
+        "generation": gen,
+        "datasets": {
+            "sg": {"path": "data/demo/sharegpt.jsonl", "format": "sharegpt", "max_samples": 6},
+            "dolly": {"path": "data/demo/dolly.jsonl", "format": "dolly", "max_samples": 4},
+        },
+        "drafters": {"d": {"datasets": ["sg", "dolly"], "draft_vocab_size": 512}},
+    }

@@ -1,0 +1,143 @@
+import subprocess
+import sys
+
+import pytest
+
+from eaglet.errors import EagletError
+from eaglet.params import load
+
+from .conftest import ROOT, write_params
+
+
+def params_error(tmp_path, text: str) -> str:
+    path = tmp_path / "params.yaml"
+    path.write_text(text)
+    with pytest.raises(EagletError) as e:
+        load(path)
+    msg = str(e.value)
+    assert "\n" not in msg and str(path) in msg
+    return msg
+
+
+BASE = "target: {model: smollm2-135m-instruct}\n"
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        (
+            BASE + "datasets: {a: {path: a.jsonl, formt: dolly}}",
+            "datasets.a: Additional properties",
+        ),
+        (
+            BASE + "datasets: {a: {path: a.jsonl, max_samples: 0}}",
+            "datasets.a.max_samples: 0 is less",
+        ),
+        (
+            BASE + "datasets: {a: {path: a.jsonl, format: csv}}",
+            "datasets.a.format: 'csv' is not one",
+        ),
+        (BASE + "backends: {s: {kind: sglang}}\ndatasets: {a: {path: x}}", "backends.s: 'url' is"),
+        (BASE + "backends: {o: {kind: vllm}}\ndatasets: {a: {path: x}}", "backends.o.kind: 'vllm'"),
+        (
+            BASE + "datasets: {a: {path: x, backend: gpu}}",
+            "datasets.a.backend: unknown backend 'gpu'",
+        ),
+        (
+            BASE + "datasets: {a: {path: x}}\ndrafters: {d: {datasets: [b]}}",
+            "drafters.d.datasets.0",
+        ),
+        (BASE + "datasets: {}", "datasets: {} should be non-empty"),
+        ("datasets: {a: {path: x}}", "(top level): 'target' is a required property"),
+        ("target: [", "invalid YAML"),
+        ("- 1\n- 2", "expected a mapping"),
+    ],
+)
+def test_errors_name_file_and_key(tmp_path, text, expected):
+    assert expected in params_error(tmp_path, text)
+
+
+def test_missing_file(tmp_path):
+    with pytest.raises(EagletError, match="no such params file"):
+        load(tmp_path / "nope.yaml")
+
+
+def test_defaults_and_overrides(tmp_path):
+    path = write_params(
+        tmp_path,
+        {
+            "target": {"model": "smollm2-135m-instruct"},
+            "generation": {"max_new_tokens": 100},
+            "datasets": {"a": {"path": "in/a.jsonl", "temperature": 0.7}},
+        },
+    )
+    p = load(path)
+    assert p.data["backends"] == {
+        "local": {
+            "kind": "transformers",
+            "device": "auto",
+            "dtype": "auto",
+            "batch_size": 16,
+            "threads": 0,
+        }
+    }
+    assert p.generation("a") == {
+        "backend": "local",
+        "max_new_tokens": 100,
+        "temperature": 0.7,
+        "top_p": 1.0,
+        "top_k": -1,
+        "seed": 0,
+    }
+    assert p.dataset("a")["format"] == "auto"
+    assert p.resolve(p.dataset("a")["path"]) == tmp_path / "in" / "a.jsonl"
+    with pytest.raises(EagletError, match="no dataset 'b'"):
+        p.dataset("b")
+
+
+def test_backend_identity_excludes_speed_settings(tmp_path):
+    base = {
+        "target": {"model": "smollm2-135m-instruct"},
+        "backends": {
+            "or": {
+                "kind": "openai",
+                "base_url": "http://x/v1",
+                "model": "m",
+                "api_key_env": "K",
+                "concurrency": 8,
+            }
+        },
+        "generation": {"backend": "or"},
+        "datasets": {"a": {"path": "a"}},
+    }
+    a = load(write_params(tmp_path, base)).backend_identity("or")
+    base["backends"]["or"]["concurrency"] = 300
+    assert load(write_params(tmp_path, base)).backend_identity("or") == a
+    assert a == {"kind": "openai", "base_url": "http://x/v1", "model": "m"}
+
+
+def test_shipped_params_validate():
+    for path in [ROOT / "params.yaml", *sorted((ROOT / "examples").glob("*.params.yaml"))]:
+        p = load(path)
+        assert p.datasets and p.drafters
+
+
+def test_production_example_shape():
+    p = load(ROOT / "examples" / "kimi-k2.5.params.yaml")
+    assert len(p.datasets) == 8
+    kinds = {p.backend(p.generation(d)["backend"])["kind"] for d in p.datasets}
+    assert kinds == {"sglang", "openai"}
+    assert any("token_budget" in p.dataset(d) for d in p.datasets)
+    assert "api_key" not in str(p.data).replace("api_key_env", "")
+
+
+def test_cli_error_is_one_line_exit_2(tmp_path):
+    (tmp_path / "params.yaml").write_text(BASE + "datasets: {a: {path: x, max_samples: -1}}")
+    r = subprocess.run(
+        [sys.executable, "-m", "eaglet", "status", "--params", str(tmp_path / "params.yaml")],
+        capture_output=True,
+        text=True,
+    )
+    assert r.returncode == 2
+    assert r.stderr.count("\n") == 1 and "Traceback" not in r.stderr
+    assert "datasets.a.max_samples" in r.stderr

@@ -1,0 +1,97 @@
+"""End to end on the embedded target: prompts -> responses through the CLI and through Snakemake."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from eaglet.io import read_jsonl
+from eaglet.keys import Keys, sidecar_of
+from eaglet.params import load
+from eaglet.records import RESPONSE_FIELDS
+from eaglet.target import SMOLLM2, load_tokenizer, resolve
+
+from .conftest import ROOT, tiny_params, write_params
+
+pytestmark = pytest.mark.slow
+
+
+def eaglet(project, *args):
+    r = subprocess.run(
+        [sys.executable, "-m", "eaglet", *args, "--params", str(project / "params.yaml")],
+        capture_output=True,
+        text=True,
+        cwd=project,
+    )
+    assert r.returncode == 0, r.stderr
+    return r
+
+
+def snakemake(project, *args):
+    cmd = [
+        sys.executable,
+        "-m",
+        "snakemake",
+        "-s",
+        str(ROOT / "Snakefile"),
+        "-d",
+        str(project),
+        "--cores",
+        "2",
+        "--config",
+        f"params={project / 'params.yaml'}",
+        *args,
+    ]
+    r = subprocess.run(cmd, capture_output=True, text=True)
+    assert r.returncode == 0, r.stdout + r.stderr
+    return r.stdout + r.stderr
+
+
+def test_cli_prompts_then_responses(project):
+    write_params(project, tiny_params())
+    prompts_path = eaglet(project, "prompts", "sg").stdout.strip()
+    r = eaglet(project, "generate", "sg", "--quiet", "--threads", "2")
+    out = r.stdout.strip()
+    assert out == str(Keys(load(project / "params.yaml")).path("responses", "sg"))
+    assert "responses sg: done 6/6" in r.stderr
+    prompts = list(read_jsonl(prompts_path))
+    recs = list(read_jsonl(out))
+    assert [r["id"] for r in recs] == [p["id"] for p in prompts]  # prompt order
+    tok = load_tokenizer(resolve(SMOLLM2))
+    for rec, p in zip(recs, prompts, strict=True):
+        assert set(rec) == set(RESPONSE_FIELDS)
+        assert rec["messages"] == p["messages"] and rec["dataset"] == "sg"
+        assert rec["backend"] == "local" and rec["model"] == SMOLLM2
+        assert 1 <= rec["completion_tokens"] == len(rec["output_ids"]) <= 8
+        assert rec["finish_reason"] == ("stop" if rec["output_ids"][-1] == 2 else "length")
+        assert tok.decode(rec["output_ids"], skip_special_tokens=True) == rec["response"]
+        assert rec["response"].strip()
+    side = json.loads(sidecar_of(out).read_text())
+    assert side["stats"]["completion_tokens"] == sum(r["completion_tokens"] for r in recs)
+    assert side["provenance"]["upstream"]["prompts"] in prompts_path
+    # greedy decoding is deterministic: a rebuild gives the same texts
+    (project / "again.jsonl.zst").unlink(missing_ok=True)
+    eaglet(project, "generate", "sg", "--quiet", "--out", str(project / "again.jsonl.zst"))
+    again = list(read_jsonl(project / "again.jsonl.zst"))
+    assert [a["output_ids"] for a in again] == [r["output_ids"] for r in recs]
+
+
+def test_snakemake_builds_then_nothing_to_do_then_only_what_changed(project):
+    data = tiny_params()
+    write_params(project, data)
+    snakemake(project, "--quiet")
+    keys = Keys(load(project / "params.yaml"))
+    for ds in ("sg", "dolly"):
+        assert keys.path("responses", ds).exists()
+        assert (project / "logs" / "responses" / ds / f"{keys.key('responses', ds)}.log").exists()
+    assert "Nothing to be done" in snakemake(project, "-n")
+    data["datasets"]["dolly"]["temperature"] = 0.5
+    write_params(project, data)
+    plan = snakemake(project, "-n")
+    new = Keys(load(project / "params.yaml")).key("responses", "dolly")
+    assert f"data/responses/dolly/{new}.jsonl.zst" in plan
+    assert plan.count("rule responses:") == 1 and "rule prompts:" not in plan
+    data["datasets"]["dolly"].pop("temperature")  # back to the old value: nothing to do
+    write_params(project, data)
+    assert "Nothing to be done" in snakemake(project, "-n")
