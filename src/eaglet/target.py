@@ -150,3 +150,52 @@ def load_model(spec: TargetSpec, device: str = "auto", dtype: str = "auto") -> A
         materialize(spec), revision=spec.revision, dtype=torch_dtype(dtype, device)
     )
     return model.to(device).eval().requires_grad_(False)
+
+
+def load_config(spec: TargetSpec) -> Any:
+    """The target's transformers config, without loading weights."""
+    from transformers import AutoConfig
+
+    return AutoConfig.from_pretrained(materialize(spec), revision=spec.revision)
+
+
+def load_head(spec: TargetSpec) -> tuple[Any, Any]:
+    """(input embeddings [V, H], lm_head [V, H]) read straight from the safetensors files.
+
+    Only the files holding these two tensors are read (or fetched), so the drafter's trainer
+    never loads the target itself; a tied lm_head is the embedding matrix.
+    """
+    import json
+
+    from safetensors import safe_open
+
+    location = materialize(spec)
+
+    def fetch(name: str) -> Path:
+        if Path(location).is_dir():
+            return Path(location) / name
+        from huggingface_hub import hf_hub_download
+
+        return Path(hf_hub_download(location, name, revision=spec.revision))
+
+    try:
+        index = json.loads(fetch("model.safetensors.index.json").read_text())["weight_map"]
+    except (FileNotFoundError, OSError):
+        index = None
+    if index is None:
+        with safe_open(fetch("model.safetensors"), "pt") as f:
+            index = dict.fromkeys(f.keys(), "model.safetensors")
+    found = {}
+    for suffix in ("embed_tokens.weight", "lm_head.weight"):
+        names = sorted((n for n in index if n.endswith(suffix)), key=len)
+        if names:
+            with safe_open(fetch(index[names[0]]), "pt") as f:
+                found[suffix] = f.get_tensor(names[0])
+    if "embed_tokens.weight" not in found:
+        raise EagletError(f"target {spec.name}: no embed_tokens.weight in its safetensors")
+    embed = found["embed_tokens.weight"]
+    if "lm_head.weight" not in found:
+        if not getattr(load_config(spec), "tie_word_embeddings", False):
+            raise EagletError(f"target {spec.name}: no lm_head.weight and embeddings not tied")
+        return embed, embed
+    return embed, found["lm_head.weight"]

@@ -1,0 +1,376 @@
+"""The train stage: EAGLE-3 training-time test (TTT) on stored target hidden states.
+
+The target's next-token distribution p[t] is recomputed on the fly from the stored final state
+through the target's frozen lm_head and restricted to the draft vocab (full logits are never
+stored). The drafter unrolls `ttt_length` chained steps at every position (Drafter.forward):
+step k at position t predicts token t+k+2, so its target is p[t+k+1], and it counts where
+loss_mask[t+k+2] holds (an assistant token) and the target's argmax is in the draft vocab:
+
+    loss = sum_k step_weight**k * sum_valid CE(p, q_k) / N_k      N_k = valid positions, step k
+
+N_k counts the whole optimizer step (every micro-batch of every process), so gradient
+accumulation and DDP give exactly the gradient of one big batch. AdamW, linear warmup then
+cosine decay, gradient clipping, fp32 or bf16 autocast. Every `checkpoint_every` steps the model,
+optimizer, scheduler, data position and RNG states go to a work directory beside the output; a
+rerun resumes there. Under `torchrun` it runs DDP (gloo on CPU, nccl on GPU).
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import math
+import os
+import random
+import shutil
+import time
+from contextlib import nullcontext
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from safetensors.torch import save_file
+from torch import Tensor
+
+from eaglet import drafter_data, vocab
+from eaglet.drafter import Drafter, DrafterConfig
+from eaglet.errors import EagletError
+from eaglet.io import atomic_path, write_json, write_text
+from eaglet.keys import Keys, sidecar_of
+from eaglet.params import Params
+from eaglet.progress import Progress
+from eaglet.target import load_config, load_head, resolve
+
+
+def shift(x: Tensor, n: int) -> Tensor:
+    """x[:, t + n] at position t, zero (False) past the end; x is [B, T, ...]."""
+    pad = torch.zeros_like(x[:, : min(n, x.shape[1])])
+    return torch.cat([x[:, n:], pad], dim=1)
+
+
+def targets(last: Tensor, lm_head: Tensor, t2d: Tensor) -> tuple[Tensor, Tensor]:
+    """(p [B, T, Vd]: the target's softmax over the draft vocab, argmax [B, T]: target ids)."""
+    logits = last.float() @ lm_head.float().T
+    return torch.softmax(logits[..., t2d], dim=-1), logits.argmax(-1)
+
+
+def step_masks(loss_mask: Tensor, argmax: Tensor, t2d: Tensor, steps: int) -> list[Tensor]:
+    """Where TTT step k is trained: token t+k+2 is an assistant token the draft vocab holds."""
+    in_vocab = t2d[argmax]
+    return [shift(loss_mask, k + 2) & shift(in_vocab, k + 1) for k in range(steps)]
+
+
+def ttt_sums(logits: list[Tensor], p: Tensor, masks: list[Tensor]) -> tuple[Tensor, Tensor]:
+    """Per step: the summed soft cross-entropy and the count of top-1 hits, over valid positions."""
+    ce, hits = [], []
+    for k, (lk, mk) in enumerate(zip(logits, masks, strict=True)):
+        pk = shift(p, k + 1)
+        logq = F.log_softmax(lk.float(), dim=-1)
+        ce.append((-(pk * logq).sum(-1) * mk).sum())
+        hits.append(((lk.argmax(-1) == pk.argmax(-1)) & mk).sum())
+    return torch.stack(ce), torch.stack(hits).float()
+
+
+def lr_factor(step: int, warmup: int, total: int, min_ratio: float) -> float:
+    """Linear warmup over `warmup` steps, then cosine decay to min_ratio at `total`."""
+    if step < warmup:
+        return (step + 1) / warmup
+    progress = min(1.0, (step - warmup) / max(1, total - warmup))
+    return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+class Run:
+    """Process group, device and precision of one training process."""
+
+    def __init__(self, dtype: str):
+        self.world = int(os.environ.get("WORLD_SIZE", "1"))
+        self.rank = int(os.environ.get("RANK", "0"))
+        cuda = torch.cuda.is_available()
+        self.device = torch.device(f"cuda:{os.environ.get('LOCAL_RANK', '0')}" if cuda else "cpu")
+        if cuda:
+            torch.cuda.set_device(self.device)
+        if self.world > 1 and not dist.is_initialized():
+            dist.init_process_group("nccl" if cuda else "gloo")
+        self.dtype = dtype if dtype != "auto" else ("bfloat16" if cuda else "float32")
+
+    def autocast(self):
+        if self.dtype == "float32":
+            return nullcontext()
+        return torch.autocast(self.device.type, dtype=getattr(torch, self.dtype))
+
+    def sum(self, t: Tensor) -> Tensor:
+        if self.world > 1:
+            dist.all_reduce(t)
+        return t
+
+    def close(self) -> None:
+        if self.world > 1 and dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def prepare(batch: dict, lm_head: Tensor, t2d: Tensor, steps: int, device) -> dict:
+    """Move a batch to the device and add the target distribution and the per-step masks."""
+    batch = {k: v.to(device) for k, v in batch.items()}
+    p, argmax = targets(batch["last"], lm_head, t2d)
+    batch.update(p=p, argmax=argmax, masks=step_masks(batch["loss_mask"], argmax, t2d, steps))
+    return batch
+
+
+def heldout(model: Drafter, readers, refs, hp: dict, lm_head: Tensor, run: Run) -> dict:
+    """Mean per-step loss and top-1 accuracy on held-out samples."""
+    steps = hp["ttt_length"]
+    ce, hits, n = torch.zeros(steps), torch.zeros(steps), torch.zeros(steps)
+    bs = hp["batch_size"]
+    with torch.no_grad(), run.autocast():
+        for i in range(0, len(refs), bs):
+            batch = drafter_data.load(readers, refs[i : i + bs], hp["max_length"])
+            b = prepare(batch, lm_head, model.t2d, steps, run.device)
+            c, h = ttt_sums(model(b["aux"], b["input_ids"], steps), b["p"], b["masks"])
+            ce, hits = ce + c.cpu(), hits + h.cpu()
+            n += torch.stack([m.sum() for m in b["masks"]]).float().cpu()
+    n = n.clamp(min=1)
+    return {"loss": (ce / n).tolist(), "acc": (hits / n).tolist(), "positions": int(n[0])}
+
+
+def fit(
+    readers: list,
+    cfg: DrafterConfig,
+    embed: Tensor,
+    lm_head: Tensor,
+    d2t: Tensor,
+    t2d: Tensor,
+    hp: dict,
+    out: Path,
+    checkpoint_every: int = 100,
+    quiet: bool = False,
+) -> dict:
+    """Train a drafter on `readers` with hyperparameters `hp` and write it to `out` (a folder:
+    model.safetensors, config.json, metrics.csv, heldout.csv). Resumes from `out`'s work folder."""
+    run = Run(hp["dtype"])
+    steps = hp["ttt_length"]
+    weights = torch.tensor([hp["step_weight"] ** k for k in range(steps)])
+    train_refs, held_refs = drafter_data.split(readers, hp["heldout_fraction"])
+    per_step = hp["batch_size"] * hp["grad_accum"] * run.world
+    if len(train_refs) < per_step:
+        raise EagletError(
+            f"{len(train_refs)} training samples, fewer than one global batch ({per_step})"
+        )
+    per_epoch = len(train_refs) // per_step
+    total = per_epoch * hp["epochs"]
+    if hp.get("max_steps"):
+        total = min(total, hp["max_steps"])
+    warmup = max(1, math.ceil(hp["warmup_ratio"] * total))
+
+    torch.manual_seed(hp["seed"])
+    model = Drafter(cfg)
+    model.embed_tokens.weight.copy_(embed)
+    model.d2t.copy_(d2t)
+    model.t2d.copy_(t2d)
+    model.to(run.device)
+    lm_head = lm_head.to(run.device, torch.float32)
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(
+        trainable, lr=hp["lr"], betas=(0.9, 0.95), weight_decay=hp["weight_decay"]
+    )
+    sched = torch.optim.lr_scheduler.LambdaLR(
+        opt, lambda s: lr_factor(s, warmup, total, hp["min_lr_ratio"])
+    )
+    ddp = (
+        torch.nn.parallel.DistributedDataParallel(model, device_ids=None)
+        if run.world > 1
+        else model
+    )
+
+    work = out.parent / f".{out.name}.work"
+    ckpt = work / "checkpoint.pt"
+    rows: list[dict] = []
+    held_rows: list[dict] = []
+    start = 0
+    if ckpt.exists():
+        state = torch.load(ckpt, map_location=run.device, weights_only=False)
+        if state["hp"] != hp or state["world"] != run.world:
+            raise EagletError(f"{ckpt}: checkpoint of a different run (params or processes)")
+        model.load_state_dict(state["model"])
+        opt.load_state_dict(state["optimizer"])
+        sched.load_state_dict(state["scheduler"])
+        torch.set_rng_state(state["rng"]["torch"])
+        random.setstate(state["rng"]["python"])
+        start, rows, held_rows = state["step"], state["rows"], state["heldout"]
+
+    def save_checkpoint(step: int) -> None:
+        if run.rank != 0:
+            return
+        state = {
+            "hp": hp,
+            "world": run.world,
+            "step": step,
+            "data_position": {"epoch": step // per_epoch, "batch": step % per_epoch},
+            "model": model.state_dict(),
+            "optimizer": opt.state_dict(),
+            "scheduler": sched.state_dict(),
+            "rng": {"torch": torch.get_rng_state(), "python": random.getstate()},
+            "rows": rows,
+            "heldout": held_rows,
+        }
+        with atomic_path(ckpt) as tmp:
+            torch.save(state, tmp)
+
+    def epoch_order(epoch: int) -> list:
+        order = list(train_refs)
+        random.Random(hp["seed"] * 100_003 + epoch).shuffle(order)
+        return order
+
+    progress = Progress("train", total, quiet=quiet or run.rank != 0, unit="step")
+    progress.done = start
+    t0 = time.monotonic()
+    for step in range(start, total):
+        epoch, index = divmod(step, per_epoch)
+        refs = epoch_order(epoch)[index * per_step : (index + 1) * per_step]
+        mine = refs[run.rank * len(refs) // run.world : (run.rank + 1) * len(refs) // run.world]
+        bs = hp["batch_size"]
+        micro = [
+            prepare(
+                drafter_data.load(readers, mine[i : i + bs], hp["max_length"]),
+                lm_head,
+                model.t2d,
+                steps,
+                run.device,
+            )
+            for i in range(0, len(mine), bs)
+        ]
+        counts = torch.stack([torch.stack([m.sum() for m in b["masks"]]) for b in micro]).sum(0)
+        counts = run.sum(counts.float()).clamp(min=1)
+        ce_sum, hit_sum, tokens = torch.zeros(steps), torch.zeros(steps), 0
+        model.train()
+        for j, b in enumerate(micro):
+            sync = j == len(micro) - 1 or run.world == 1
+            with nullcontext() if sync else ddp.no_sync():  # all-reduce grads once per step
+                with run.autocast():
+                    logits = ddp(b["aux"], b["input_ids"], steps)
+                ce, hits = ttt_sums(logits, b["p"], b["masks"])
+                # DDP averages gradients over processes; counts are global, so scale back
+                loss = (weights.to(ce.device) * ce / counts.to(ce.device)).sum() * run.world
+                loss.backward()
+            ce_sum, hit_sum = ce_sum + ce.detach().cpu(), hit_sum + hits.cpu()
+            tokens += int(b["loss_mask"].sum())
+        grad_norm = torch.nn.utils.clip_grad_norm_(trainable, hp["max_grad_norm"])
+        lr = sched.get_last_lr()[0]
+        opt.step()
+        sched.step()
+        opt.zero_grad(set_to_none=True)
+        ce_sum, hit_sum = run.sum(ce_sum), run.sum(hit_sum)
+        step_loss, acc = ce_sum / counts.cpu(), hit_sum / counts.cpu()
+        row = {
+            "step": step + 1,
+            "epoch": epoch,
+            "lr": lr,
+            "loss": float((weights * step_loss).sum()),
+            "grad_norm": float(grad_norm),
+        }
+        row.update({f"loss_{k}": float(step_loss[k]) for k in range(steps)})
+        row.update({f"acc_{k}": float(acc[k]) for k in range(steps)})
+        rows.append(row)
+        progress.update(1, tokens=int(run.sum(torch.tensor(tokens))))
+        if (step + 1) % per_epoch == 0 and held_refs and run.rank == 0:
+            h = heldout(model, readers, held_refs, hp, lm_head, run)
+            held_rows.append(
+                {"step": step + 1, "epoch": epoch}
+                | {f"loss_{k}": v for k, v in enumerate(h["loss"])}
+                | {f"acc_{k}": v for k, v in enumerate(h["acc"])}
+            )
+        if (step + 1) % checkpoint_every == 0 and step + 1 < total:
+            save_checkpoint(step + 1)
+    progress.close()
+    elapsed = time.monotonic() - t0
+    final = heldout(model, readers, held_refs, hp, lm_head, run) if held_refs and run.rank == 0 else None
+    stats = {
+        "steps": total,
+        "resumed_from": start,
+        "processes": run.world,
+        "dtype": run.dtype,
+        "train_samples": len(train_refs),
+        "heldout_samples": len(held_refs),
+        "final_loss": rows[-1]["loss"] if rows else None,
+        "final_acc": [rows[-1][f"acc_{k}"] for k in range(steps)] if rows else None,
+        "heldout": final,
+        "elapsed_s": round(elapsed, 3),
+        "tokens_per_s": round(progress.tokens / elapsed, 1) if elapsed > 0 else None,
+    }
+    if run.rank == 0:
+        save(model, out, rows, held_rows)
+        shutil.rmtree(work, ignore_errors=True)
+    run.close()
+    return stats
+
+
+def _csv(rows: list[dict]) -> str:
+    if not rows:
+        return ""
+    buf = io.StringIO()
+    w = csv.DictWriter(buf, fieldnames=list(rows[0]), lineterminator="\n")
+    w.writeheader()
+    w.writerows(rows)
+    return buf.getvalue()
+
+
+def save(model: Drafter, out: Path, rows: list[dict], held_rows: list[dict]) -> None:
+    """The trained drafter folder, written atomically."""
+    with atomic_path(out, directory=True) as tmp:
+        tensors = {k: v.detach().cpu().contiguous() for k, v in model.state_dict().items()}
+        save_file(tensors, str(tmp / "model.safetensors"))
+        write_json(tmp / "config.json", model.cfg.to_dict())
+        write_text(tmp / "metrics.csv", _csv(rows))
+        write_text(tmp / "heldout.csv", _csv(held_rows))
+
+
+def load(folder: str | Path, device: str = "cpu") -> Drafter:
+    """A trained drafter from its folder (model.safetensors + config.json)."""
+    from safetensors.torch import load_file
+
+    from eaglet.io import read_json
+
+    folder = Path(folder)
+    model = Drafter(DrafterConfig.from_dict(read_json(folder / "config.json")))
+    model.load_state_dict(load_file(str(folder / "model.safetensors"), device=device))
+    return model.to(device).eval()
+
+
+def hyperparameters(params: Params, drafter: str) -> dict:
+    """The drafter's training settings (those that change the weights), complete."""
+    d = params.drafter(drafter)
+    hp = dict(d["train"])
+    hp.pop("checkpoint_every")
+    hp["heldout_fraction"] = d["heldout_fraction"]
+    hp["max_length"] = hp.get("max_length") or params.target["max_length"]
+    return hp
+
+
+def build(
+    params: Params,
+    drafter: str,
+    out: Path | None = None,
+    threads: int | None = None,
+    quiet: bool = False,
+) -> Path:
+    """Train the drafter on its datasets' hidden states; write the folder and its sidecar."""
+    if threads:
+        torch.set_num_threads(threads)
+    keys = Keys(params)
+    prov = keys.provenance("train", drafter)
+    out = Path(out) if out else keys.path("train", drafter)
+    readers = drafter_data.open_readers(params, drafter)
+    d2t, t2d = vocab.load(keys.path("vocab", drafter))
+    t = params.target
+    spec = resolve(t["model"], t.get("revision"), params.root)
+    manifest = readers[0].manifest
+    cfg = DrafterConfig.from_target(
+        load_config(spec), len(d2t), manifest["aux_layer_ids"]["sglang"]
+    )
+    embed, lm_head = load_head(spec)
+    every = params.drafter(drafter)["train"]["checkpoint_every"]
+    hp = hyperparameters(params, drafter)
+    stats = fit(readers, cfg, embed, lm_head, d2t, t2d, hp, out, every, quiet=quiet)
+    if int(os.environ.get("RANK", "0")) == 0:
+        write_json(sidecar_of(out), {"provenance": prov, "stats": stats})
+    return out

@@ -1,0 +1,99 @@
+"""Hidden-state samples for tests, shaped exactly as eaglet.hidden_store.HiddenReader yields them.
+
+They come from a real target run with output_hidden_states=True: HF tuple index k is the output
+of decoder layer k-1, so SGLang id i is index i+1, and the last entry is after the final norm.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+TINY = {
+    "vocab_size": 1024,
+    "hidden_size": 256,
+    "intermediate_size": 512,
+    "num_hidden_layers": 8,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 64,
+    "max_position_embeddings": 512,
+    "rope_theta": 10000.0,
+    "tie_word_embeddings": False,
+    "eos_token_id": 2,
+}
+
+
+def sgl_ids(num_layers: int) -> list[int]:
+    return [1, num_layers // 2 - 1, num_layers - 4]
+
+
+def tiny_llama(path: Path | None = None, seed: int = 0):
+    """A random 8-layer Llama (hidden 256) built under a fixed seed; saved to `path` if given."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(LlamaConfig(**TINY)).eval().requires_grad_(False)
+    if path is not None:
+        model.save_pretrained(path)
+    return model
+
+
+def sample(model, sid: str, prompt: list[int], response: list[int]) -> dict:
+    """One sample of the reader contract from a real forward pass of `model`."""
+    ids = torch.tensor(prompt + response)
+    with torch.no_grad():
+        hs = model(ids[None], output_hidden_states=True).hidden_states
+    layers = sgl_ids(model.config.num_hidden_layers)
+    return {
+        "id": sid,
+        "input_ids": ids,
+        "loss_mask": torch.tensor([False] * len(prompt) + [True] * len(response)),
+        "aux": torch.stack([hs[i + 1][0] for i in layers], dim=1),
+        "last": hs[-1][0],
+    }
+
+
+def greedy_samples(model, n: int, prompt_len: int, new_tokens: int, seed: int = 0) -> list[dict]:
+    """Random prompts answered greedily by the model itself, like regenerated responses."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for i in range(n):
+        prompt = torch.randint(3, model.config.vocab_size, (prompt_len,), generator=g)
+        with torch.no_grad():
+            full = model.generate(
+                prompt[None], max_new_tokens=new_tokens, do_sample=False, eos_token_id=2
+            )
+        out.append(sample(model, f"s{i:04d}", prompt.tolist(), full[0, prompt_len:].tolist()))
+    return out
+
+
+class MemoryReader:
+    """The reader contract over samples held in memory."""
+
+    def __init__(self, samples: list[dict], model):
+        cfg = model.config
+        layers = sgl_ids(cfg.num_hidden_layers)
+        self.manifest = {
+            "target": {
+                "model": "tiny-llama",
+                "num_hidden_layers": cfg.num_hidden_layers,
+                "hidden_size": cfg.hidden_size,
+                "vocab_size": cfg.vocab_size,
+            },
+            "aux_layer_ids": {"sglang": layers, "vllm": [i + 1 for i in layers]},
+            "dtype": "float32",
+            "samples": [{"id": s["id"], "tokens": len(s["input_ids"])} for s in samples],
+        }
+        self._samples = {s["id"]: s for s in samples}
+        self.ids = [s["id"] for s in samples]
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def __iter__(self):
+        return (self._samples[i] for i in self.ids)
+
+    def get(self, sid: str) -> dict:
+        return self._samples[sid]
