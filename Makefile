@@ -5,7 +5,7 @@ CORES ?= 2
 export DVC_NO_ANALYTICS := 1
 export HF_HUB_OFFLINE := 1
 
-.PHONY: setup demo test lint clean
+.PHONY: setup demo test lint clean store
 
 setup: $(VENV)/.installed
 
@@ -32,3 +32,10 @@ lint: setup
 
 clean:
 	rm -rf .snakemake logs
+
+# Version the artifacts in DVC: drop non-current keys, add what is left, push to the remote
+# (configure one first: dvc remote add -d store /shared/eaglet-store  or  s3://bucket/eaglet).
+store: setup
+	$(PY) -m eaglet gc
+	$(VENV)/bin/dvc add $$(ls -d data/prompts data/responses data/hidden models 2>/dev/null)
+	$(VENV)/bin/dvc push

@@ -13,3 +13,7 @@ rule all:
     input:
         [keyed("responses", ds) for ds in DATASETS],
     default_target: True
+
+
+onsuccess:
+    shell(f"{EAGLET} publish --params {PARAMS_FILE} > /dev/null")

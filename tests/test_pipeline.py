@@ -1,4 +1,4 @@
-"""End to end on the embedded target: prompts -> responses through the CLI and through Snakemake."""
+"""End to end on the embedded target: prompts -> responses through the CLI (graph: test_graph)."""
 
 import json
 import subprocess
@@ -12,7 +12,7 @@ from eaglet.params import load
 from eaglet.records import RESPONSE_FIELDS
 from eaglet.target import SMOLLM2, load_tokenizer, resolve
 
-from .conftest import ROOT, tiny_params, write_params
+from .conftest import tiny_params, write_params
 
 pytestmark = pytest.mark.slow
 
@@ -26,26 +26,6 @@ def eaglet(project, *args):
     )
     assert r.returncode == 0, r.stderr
     return r
-
-
-def snakemake(project, *args):
-    cmd = [
-        sys.executable,
-        "-m",
-        "snakemake",
-        "-s",
-        str(ROOT / "Snakefile"),
-        "-d",
-        str(project),
-        "--cores",
-        "2",
-        "--config",
-        f"params={project / 'params.yaml'}",
-        *args,
-    ]
-    r = subprocess.run(cmd, capture_output=True, text=True)
-    assert r.returncode == 0, r.stdout + r.stderr
-    return r.stdout + r.stderr
 
 
 def test_cli_prompts_then_responses(project):
@@ -75,23 +55,3 @@ def test_cli_prompts_then_responses(project):
     eaglet(project, "generate", "sg", "--quiet", "--out", str(project / "again.jsonl.zst"))
     again = list(read_jsonl(project / "again.jsonl.zst"))
     assert [a["output_ids"] for a in again] == [r["output_ids"] for r in recs]
-
-
-def test_snakemake_builds_then_nothing_to_do_then_only_what_changed(project):
-    data = tiny_params()
-    write_params(project, data)
-    snakemake(project, "--quiet")
-    keys = Keys(load(project / "params.yaml"))
-    for ds in ("sg", "dolly"):
-        assert keys.path("responses", ds).exists()
-        assert (project / "logs" / "responses" / ds / f"{keys.key('responses', ds)}.log").exists()
-    assert "Nothing to be done" in snakemake(project, "-n")
-    data["datasets"]["dolly"]["temperature"] = 0.5
-    write_params(project, data)
-    plan = snakemake(project, "-n")
-    new = Keys(load(project / "params.yaml")).key("responses", "dolly")
-    assert f"data/responses/dolly/{new}.jsonl.zst" in plan
-    assert plan.count("rule responses:") == 1 and "rule prompts:" not in plan
-    data["datasets"]["dolly"].pop("temperature")  # back to the old value: nothing to do
-    write_params(project, data)
-    assert "Nothing to be done" in snakemake(project, "-n")

@@ -58,6 +58,59 @@ def cmd_status(args: argparse.Namespace) -> None:
     status.show(_params(args), as_json=args.json)
 
 
+def cmd_keys(args: argparse.Namespace) -> None:
+    import json
+
+    from eaglet.artifacts import names
+    from eaglet.keys import STAGES, Keys
+
+    params = _params(args)
+    keys = Keys(params)
+    rows = []
+    for stage, st in STAGES.items():
+        for name in names(keys, stage):
+            rel = {
+                "path": os.path.relpath(keys.path(stage, name), params.root),
+                "sidecar": os.path.relpath(keys.sidecar(stage, name), params.root),
+            }
+            rows.append({**keys.provenance(stage, name), "name": name, "kind": st.kind, **rel})
+    if args.json:
+        print(json.dumps(rows, indent=2))
+    else:
+        for r in rows:
+            print(f"{r['stage']:<10} {r['name']:<24} {r['key']}  {r['path']}")
+
+
+def cmd_gc(args: argparse.Namespace) -> None:
+    from eaglet.artifacts import gc
+    from eaglet.keys import Keys
+
+    params = _params(args)
+    removed = gc(Keys(params), dry_run=args.dry_run)
+    verb = "would remove" if args.dry_run else "removed"
+    for a in removed:
+        print(f"{verb} {os.path.relpath(a.path)} ({a.state}, {a.size() / 1e6:.1f} MB)")
+    print(f"{verb} {len(removed)} non-current artifacts", file=sys.stderr)
+
+
+def cmd_publish(args: argparse.Namespace) -> None:
+    from eaglet.publish import publish
+
+    for path in publish(_params(args)):
+        print(path)
+
+
+def cmd_compare(args: argparse.Namespace) -> None:
+    from eaglet.compare import compare, dvc_diffs, render
+
+    repo = Path(args.repo).resolve()
+    tables = compare(repo, args.rev_a, args.rev_b, args.params)
+    print(render(tables, args.rev_a, args.rev_b, md=args.md))
+    extra = dvc_diffs(repo, args.rev_a, args.rev_b, md=args.md)
+    if extra:
+        print(extra)
+
+
 def cmd_path(args: argparse.Namespace) -> None:
     from eaglet.keys import Keys
 
@@ -95,6 +148,30 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="machine-readable output")
     _add_common(p)
     p.set_defaults(fn=cmd_status)
+
+    p = sub.add_parser("keys", help="every artifact's current key and the inputs that make it")
+    p.add_argument("--json", action="store_true", help="full provenance as JSON")
+    _add_common(p)
+    p.set_defaults(fn=cmd_keys)
+
+    p = sub.add_parser("gc", help="remove non-current keyed artifacts (DVC's cache keeps them)")
+    p.add_argument("--dry-run", action="store_true", help="only list what would go")
+    _add_common(p)
+    p.set_defaults(fn=cmd_gc)
+
+    p = sub.add_parser("publish", help="write current metrics at stable paths for DVC")
+    _add_common(p)
+    p.set_defaults(fn=cmd_publish)
+
+    p = sub.add_parser("compare", help="compare two pipeline versions (git revs or workspace)")
+    p.add_argument("rev_a")
+    p.add_argument("rev_b", nargs="?", default="workspace")
+    p.add_argument("--md", action="store_true", help="Markdown tables")
+    p.add_argument("--repo", default=".", help="git repository (default: .)")
+    p.add_argument(
+        "--params", default="params.yaml", help="params file, relative to the repository"
+    )
+    p.set_defaults(fn=cmd_compare)
 
     p = sub.add_parser("path", help="print the current keyed path of an artifact")
     p.add_argument("stage")

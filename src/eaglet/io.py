@@ -19,6 +19,8 @@ from typing import IO, Any
 import zstandard
 
 ZSTD_LEVEL = 10
+_UMASK = os.umask(0)
+os.umask(_UMASK)
 
 
 def dumps(obj: Any) -> str:
@@ -42,6 +44,7 @@ def atomic_path(path: str | os.PathLike, *, directory: bool = False) -> Iterator
         yield tmp
         if not directory:
             _fsync(tmp)
+            os.chmod(tmp, 0o666 & ~_UMASK)  # mkstemp makes 0600; artifacts are shared files
         if directory and path.exists():
             shutil.rmtree(path)
         os.replace(tmp, path)

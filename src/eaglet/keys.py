@@ -100,6 +100,8 @@ def _imports(module: str) -> set[str]:
                 parts = package.split(".")
                 parent = ".".join(parts[: len(parts) - node.level + 1])
                 base = f"{parent}.{base}" if base else parent
+            if base != "eaglet" and not base.startswith("eaglet."):
+                continue  # never import a third-party package just to hash our code
             for alias in node.names:
                 sub = f"{base}.{alias.name}"
                 found.add(sub if _is_module(sub) else base)

@@ -1,0 +1,42 @@
+"""Publish current numbers at stable paths for DVC's ledger (`dvc metrics diff`, `dvc plots`).
+
+Keyed artifacts move with their keys; `metrics/` does not: it always describes what params.yaml
+and the installed code build now. Snakemake runs this after every successful build.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from eaglet.artifacts import scan
+from eaglet.io import write_json
+from eaglet.keys import Keys
+from eaglet.params import Params
+
+# The stats of each stage worth diffing between pipeline versions.
+DATASET_METRICS = {
+    "prompts": {"kept": "prompts"},
+    "responses": {
+        "responses": "responses",
+        "completion_tokens": "completion_tokens",
+        "cost": "cost_usd",
+    },
+}
+
+
+def dataset_metrics(keys: Keys) -> dict:
+    out: dict[str, dict] = {ds: {} for ds in keys.params.datasets}
+    for a in scan(keys):
+        if a.state == "current" and a.stage in DATASET_METRICS:
+            for stat, metric in DATASET_METRICS[a.stage].items():
+                if stat in a.stats:
+                    out[a.name][metric] = a.stats[stat]
+    return out
+
+
+def publish(params: Params) -> list[Path]:
+    """Write metrics/datasets.json from the current artifacts; return the files written."""
+    keys = Keys(params)
+    path = params.root / "metrics" / "datasets.json"
+    write_json(path, dataset_metrics(keys))
+    return [path]

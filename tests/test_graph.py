@@ -1,0 +1,177 @@
+"""The build graph's promises on a real (tiny) build: rebuild only what is stale, reproduce from a
+fresh clone + `dvc pull`, compare two pipeline versions, plan on SLURM.
+
+One project is built once per module in its own git + DVC repository, with its own copy of the
+eaglet package on PYTHONPATH, so code edits can be made to it without touching the checkout.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from .conftest import ROOT, tiny_params, write_params
+
+pytestmark = pytest.mark.slow
+
+COPY = ["Snakefile", "rules", "profiles", "envs", "dvc.yaml", "src", "data/demo"]
+
+
+def run(repo: Path, *cmd: str, check: bool = True) -> str:
+    env = {**os.environ, "PYTHONPATH": str(repo / "src"), "DVC_NO_ANALYTICS": "1"}
+    r = subprocess.run(cmd, cwd=repo, env=env, capture_output=True, text=True)
+    if check and r.returncode != 0:
+        raise AssertionError(f"{' '.join(cmd)} failed:\n{r.stdout}\n{r.stderr}")
+    return r.stdout + r.stderr
+
+
+def smk(repo: Path, *args: str) -> str:
+    return run(repo, sys.executable, "-m", "snakemake", "--cores", "2", *args)
+
+
+def eaglet(repo: Path, *args: str) -> str:
+    return run(repo, sys.executable, "-m", "eaglet", *args)
+
+
+def git(repo: Path, *args: str) -> str:
+    return run(repo, "git", "-c", "user.name=t", "-c", "user.email=t@t", *args)
+
+
+def planned(repo: Path) -> dict[str, int]:
+    """{rule: job count} of a dry run."""
+    out = smk(repo, "-n", "--quiet", "rules")
+    counts = {}
+    for line in out.splitlines():
+        parts = line.split()
+        if len(parts) == 2 and parts[1].isdigit() and parts[0] not in ("total", "job"):
+            counts[parts[0]] = int(parts[1])
+    return counts
+
+
+@pytest.fixture(scope="module")
+def repo(tmp_path_factory) -> Path:
+    repo = tmp_path_factory.mktemp("graph")
+    for rel in COPY:
+        src, dst = ROOT / rel, repo / rel
+        if src.is_dir():
+            shutil.copytree(src, dst, ignore=shutil.ignore_patterns("__pycache__"))
+        else:
+            shutil.copy(src, dst)
+    shutil.copy(ROOT / ".gitignore", repo / ".gitignore")
+    data = tiny_params(max_new_tokens=4)
+    data["datasets"]["sg"]["max_samples"] = 3
+    data["datasets"]["dolly"]["max_samples"] = 3
+    write_params(repo, data)
+    git(repo, "init", "-q")
+    run(repo, sys.executable, "-m", "dvc", "init", "-q")
+    run(repo, sys.executable, "-m", "dvc", "config", "core.analytics", "false")
+    smk(repo)
+    git(repo, "add", "-A")
+    git(repo, "commit", "-qm", "built")
+    return repo
+
+
+def test_built_graph_has_nothing_to_do_and_published_metrics(repo):
+    assert planned(repo) == {}
+    metrics = (repo / "metrics" / "datasets.json").read_text()
+    assert '"responses": 3' in metrics
+
+
+def test_one_dataset_param_reruns_only_its_chain_and_reverting_reruns_nothing(repo):
+    params = (repo / "params.yaml").read_text()
+    data = tiny_params(max_new_tokens=4)
+    data["datasets"]["sg"]["max_samples"] = 3
+    data["datasets"]["dolly"].update(max_samples=3, temperature=0.5)
+    write_params(repo, data)
+    try:
+        plan = smk(repo, "-n")
+        assert planned(repo) == {"responses": 1, "all": 1}
+        assert (
+            "data/responses/dolly/" in plan
+            and "data/responses/sg/" not in plan.split("rule all")[0]
+        )
+    finally:
+        (repo / "params.yaml").write_text(params)
+    assert planned(repo) == {}
+
+
+def _edit(path: Path, new: str):
+    old = path.read_text()
+    path.write_text(new.format(old=old))
+    return old
+
+
+def test_comment_only_edit_reruns_nothing_and_real_edit_reruns_downstream(repo):
+    gen = repo / "src" / "eaglet" / "generate.py"
+    old = _edit(gen, "# a comment about the engine\n{old}\n# and another one\n")
+    try:
+        assert planned(repo) == {}
+        gen.write_text(old + "\n\nRETRY_NOTE = 'a real change'\n")
+        assert planned(repo) == {"responses": 2, "all": 1}  # prompts do not import generate
+        readers = repo / "src" / "eaglet" / "readers.py"
+        old_readers = _edit(readers, "{old}\n\nUNUSED = 1\n")
+        try:
+            assert planned(repo) == {"prompts": 2, "responses": 2, "all": 1}
+        finally:
+            readers.write_text(old_readers)
+    finally:
+        gen.write_text(old)
+    assert planned(repo) == {}
+
+
+def test_fresh_clone_plus_dvc_pull_is_up_to_date(repo, tmp_path):
+    remote = tmp_path / "remote"
+    dvc = [sys.executable, "-m", "dvc"]
+    run(repo, *dvc, "remote", "add", "-f", "-d", "store", str(remote))
+    eaglet(repo, "gc")
+    run(repo, *dvc, "add", "-q", "data/prompts", "data/responses")
+    run(repo, *dvc, "push", "-q")
+    git(repo, "add", "-A")
+    git(repo, "commit", "-qm", "store artifacts")
+    clone = tmp_path / "clone"
+    subprocess.run(["git", "clone", "-q", str(repo), str(clone)], check=True)
+    run(clone, *dvc, "pull", "-q")
+    assert planned(clone) == {}
+    assert "Nothing to be done" in smk(clone, "-n")
+
+
+def test_gc_keeps_current_and_status_flags_other_code(repo):
+    eaglet(repo, "gc")
+    gen = repo / "src" / "eaglet" / "generate.py"
+    old = _edit(gen, "{old}\n\nCHANGED = True\n")
+    try:
+        out = eaglet(repo, "status")
+        assert out.count("missing") == 2  # the new code's responses are not built yet
+        listing = eaglet(repo, "gc", "--dry-run")
+        assert listing.count("other-code") == 2 and "data/responses/" in listing
+    finally:
+        gen.write_text(old)
+    assert "other-code" not in eaglet(repo, "gc", "--dry-run")
+
+
+def test_compare_two_revisions(repo):
+    data = tiny_params(max_new_tokens=4)
+    data["datasets"]["sg"]["max_samples"] = 3
+    data["datasets"]["dolly"].update(max_samples=3, temperature=0.5)
+    write_params(repo, data)
+    git(repo, "commit", "-qam", "dolly at temperature 0.5")
+    try:
+        md = eaglet(repo, "compare", "HEAD~1", "HEAD", "--md")
+    finally:
+        git(repo, "reset", "-q", "--hard", "HEAD~1")
+    assert "## dataset dolly" in md and "## dataset sg" in md
+    dolly = md.split("## dataset dolly")[1].split("##")[0]
+    assert "sampling.temperature: 0.0 -> 0.5" in dolly and "rebuild" in dolly
+    assert "| responses | 3 | not built |" in dolly
+    sg = md.split("## dataset sg")[1].split("##")[0]
+    assert "rebuild" not in sg and "| responses | 3 | 3 |" in sg
+
+
+def test_slurm_profile_dry_run(repo):
+    out = smk(repo, "--profile", "profiles/slurm", "-n", "--forceall")
+    assert "rule responses" in out and "This was a dry-run" in out
