@@ -70,10 +70,9 @@ def greedy_samples(model, n: int, prompt_len: int, new_tokens: int, seed: int = 
 
 
 class MemoryReader:
-    """The reader contract over samples held in memory."""
+    """The reader contract over samples held in memory; `cfg` is the target's config."""
 
-    def __init__(self, samples: list[dict], model):
-        cfg = model.config
+    def __init__(self, samples: list[dict], cfg):
         layers = sgl_ids(cfg.num_hidden_layers)
         self.manifest = {
             "target": {
@@ -97,3 +96,50 @@ class MemoryReader:
 
     def get(self, sid: str) -> dict:
         return self._samples[sid]
+
+
+HP = {
+    "ttt_length": 3,
+    "step_weight": 0.8,
+    "epochs": 8,
+    "max_steps": None,
+    "batch_size": 4,
+    "grad_accum": 1,
+    "lr": 3e-3,
+    "min_lr_ratio": 0.1,
+    "warmup_ratio": 0.05,
+    "weight_decay": 0.0,
+    "max_grad_norm": 0.5,
+    "dtype": "float32",
+    "seed": 0,
+    "heldout_fraction": 0.1,
+    "max_length": 512,
+}
+
+
+def fit_tiny(bundle: dict, out: Path, draft_vocab: int = 256, **hp) -> dict:
+    """Train a drafter on a tiny-target bundle with eaglet.train.fit; return its stats."""
+    from eaglet import train, vocab
+    from eaglet.drafter import DrafterConfig
+
+    reader = MemoryReader(bundle["samples"], bundle["config"])
+    cfg = DrafterConfig.from_target(
+        bundle["config"], draft_vocab, sgl_ids(TINY["num_hidden_layers"])
+    )
+    d2t, t2d = vocab.select(vocab.count_tokens([reader], cfg.vocab_size), draft_vocab)
+    every = hp.pop("checkpoint_every", 1000)
+    args = (bundle["embed"], bundle["lm_head"], d2t, t2d, HP | hp, out, every)
+    return train.fit([reader], cfg, *args, quiet=True)
+
+
+def bundle(n: int = 20, prompt_len: int = 8, new_tokens: int = 16) -> dict:
+    """What training needs of the tiny target: its samples, embeddings, lm_head and config."""
+    from types import SimpleNamespace
+
+    model = tiny_llama()
+    return {
+        "samples": greedy_samples(model, n, prompt_len, new_tokens),
+        "embed": model.model.embed_tokens.weight.clone(),
+        "lm_head": model.lm_head.weight.clone(),
+        "config": SimpleNamespace(**TINY, rms_norm_eps=model.config.rms_norm_eps),
+    }

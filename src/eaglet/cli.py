@@ -25,13 +25,14 @@ def _params(args: argparse.Namespace):
 def _checked(args: argparse.Namespace, stage: str):
     """Params of a stage command; with --key, refuse to build under a key that is not current."""
     params = _params(args)
+    name = getattr(args, "dataset", None) or args.drafter
     if args.key:
         from eaglet.keys import Keys
 
-        current = Keys(params).key(stage, args.dataset)
+        current = Keys(params).key(stage, name)
         if args.key != current:
             raise EagletError(
-                f"{stage}/{args.dataset}: key {args.key} is not the current key {current} "
+                f"{stage}/{name}: key {args.key} is not the current key {current} "
                 "(params or code changed since the graph was planned)"
             )
     return params
@@ -50,6 +51,37 @@ def cmd_generate(args: argparse.Namespace) -> None:
     print(
         generate.build(params, args.dataset, out=args.out, threads=args.threads, quiet=args.quiet)
     )
+
+
+def cmd_vocab(args: argparse.Namespace) -> None:
+    from eaglet import vocab
+
+    print(vocab.build(_checked(args, "vocab"), args.drafter, out=args.out))
+
+
+def cmd_train(args: argparse.Namespace) -> None:
+    from eaglet import train
+
+    params = _checked(args, "train")
+    out = train.build(params, args.drafter, out=args.out, threads=args.threads, quiet=args.quiet)
+    if int(os.environ.get("RANK", "0")) == 0:
+        print(out)
+
+
+def cmd_evaluate(args: argparse.Namespace) -> None:
+    from eaglet import evaluate
+
+    params = _checked(args, "evaluate")
+    out = evaluate.build(params, args.drafter, args.out, threads=args.threads, quiet=args.quiet)
+    print(out)
+
+
+def cmd_export(args: argparse.Namespace) -> None:
+    from eaglet import export
+
+    out, command = export.build(_checked(args, args.to), args.drafter, args.to, out=args.out)
+    print(f"eaglet: {args.to} export validated; serve with:\n  {command}", file=sys.stderr)
+    print(out)
 
 
 def cmd_status(args: argparse.Namespace) -> None:
@@ -143,6 +175,16 @@ def parser() -> argparse.ArgumentParser:
     g = stage("generate", cmd_generate, "regenerate responses with the target")
     g.add_argument("--threads", type=int, help="torch threads (Snakemake passes {threads})")
     g.add_argument("--quiet", action="store_true", help="log lines instead of a live bar")
+    stage("vocab", cmd_vocab, "pick the draft vocabulary from the assistant tokens", "drafter")
+    for name, fn, text in [
+        ("train", cmd_train, "train the EAGLE-3 drafter (torchrun for DDP)"),
+        ("evaluate", cmd_evaluate, "speculative decoding against the target: acceptance"),
+    ]:
+        g = stage(name, fn, text, "drafter")
+        g.add_argument("--threads", type=int, help="torch threads (Snakemake passes {threads})")
+        g.add_argument("--quiet", action="store_true", help="log lines instead of a live bar")
+    g = stage("export", cmd_export, "write and validate an SGLang or vLLM draft folder", "drafter")
+    g.add_argument("--to", choices=["sglang", "vllm"], required=True, help="serving engine")
 
     p = sub.add_parser("status", help="every artifact: current key, built or missing, stats")
     p.add_argument("--json", action="store_true", help="machine-readable output")

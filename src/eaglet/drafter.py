@@ -30,7 +30,7 @@ class DrafterConfig:
     vocab_size: int  # V, the target's
     draft_vocab_size: int  # Vd
     hidden_size: int  # H
-    target_hidden_size: int  # the target's H: fc reads 3 of its states
+    target_hidden_size: int  # the target's H: fc reads one state per aux layer
     intermediate_size: int
     num_attention_heads: int
     num_key_value_heads: int
@@ -141,7 +141,8 @@ class Attention(nn.Module):
     def __init__(self, cfg: DrafterConfig):
         super().__init__()
         h, d = cfg.hidden_size, cfg.head_dim
-        self.heads, self.kv_heads, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, d
+        self.heads, self.kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
+        self.head_dim = d
         self.theta = cfg.rope_theta
         self.q_proj = nn.Linear(2 * h, self.heads * d, bias=False)
         self.k_proj = nn.Linear(2 * h, self.kv_heads * d, bias=False)
@@ -204,7 +205,8 @@ class Drafter(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size).requires_grad_(False)
-        self.fc = nn.Linear(3 * cfg.target_hidden_size, cfg.hidden_size, bias=False)
+        n_aux = len(cfg.aux_layer_ids)
+        self.fc = nn.Linear(n_aux * cfg.target_hidden_size, cfg.hidden_size, bias=False)
         self.midlayer = DecoderLayer(cfg)
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.draft_vocab_size, bias=False)
@@ -215,7 +217,7 @@ class Drafter(nn.Module):
                 nn.init.normal_(m.weight, std=0.02)
 
     def features(self, aux: Tensor) -> Tensor:
-        """Fuse the target's low/mid/high states [B, T, 3, Ht] into a hidden state [B, T, H]."""
+        """Fuse the target's states [B, T, K, Ht] (K aux layers) into a hidden state [B, T, H]."""
         return self.fc(aux.flatten(-2))
 
     def step(self, hidden: Tensor, ids: Tensor, pos: Tensor, cache: KVCache) -> Tensor:
@@ -228,15 +230,18 @@ class Drafter(nn.Module):
     def to_target(self, draft_ids: Tensor) -> Tensor:
         return draft_ids + self.d2t[draft_ids]
 
-    def forward(self, aux: Tensor, input_ids: Tensor, steps: int) -> list[Tensor]:
-        """Training-time test: `steps` chained drafting steps at every position; logits per step.
+    def forward(
+        self, aux: Tensor, input_ids: Tensor, steps: int, masks: list[Tensor] | None = None
+    ) -> list[Tensor]:
+        """Training-time test: `steps` chained drafting steps at every position; logits per step
+        (at the positions of masks[k] [B, T] only, [N_k, Vd], when masks are given).
 
         Step k at position t reads token t+k+1 (teacher-forced) and the step k-1 output at t,
         sits at position t+k, and attends to the step-0 keys of positions <= t plus its own
         chain (steps 1..k at t): exactly what chain decoding from position t sees. Its logits
         predict token t+k+2. Tokens past the end read id 0 (the caller masks them).
         """
-        b, t = input_ids.shape
+        t = input_ids.shape[1]
         hidden = self.features(aux)
         cache, diagonal, out = KVCache(), [], []
         for k in range(steps):
@@ -244,5 +249,5 @@ class Drafter(nn.Module):
             pos = torch.arange(t, device=input_ids.device) + k
             emb = self.embed_tokens(ids)
             hidden = self.midlayer(emb, hidden, pos, cache, diagonal if k else None)
-            out.append(self.logits(hidden))
+            out.append(self.logits(hidden if masks is None else hidden[masks[k]]))
         return out

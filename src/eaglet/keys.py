@@ -40,6 +40,11 @@ STAGES: dict[str, Stage] = {
     for s in [
         Stage("prompts", "eaglet.prompts", ".jsonl.zst", "dataset"),
         Stage("responses", "eaglet.generate", ".jsonl.zst", "dataset"),
+        Stage("vocab", "eaglet.vocab", ".safetensors", "drafter"),
+        Stage("train", "eaglet.train", "/", "drafter"),
+        Stage("evaluate", "eaglet.evaluate", "/", "drafter"),
+        Stage("sglang", "eaglet.export", "/", "drafter"),
+        Stage("vllm", "eaglet.export", "/", "drafter"),
     ]
 }
 
@@ -155,9 +160,11 @@ class Keys:
         return self.provenance(stage, name)["key"]
 
     def path(self, stage: str, name: str) -> Path:
-        """data/<stage>/<name>/<key><ext>, under the params file's directory."""
+        """data/<stage>/<dataset>/<key><ext> or models/<drafter>/<stage>/<key><ext>, under the
+        params file's directory."""
         st = STAGES[stage]
-        base = self.params.root / "data" / stage / name / self.key(stage, name)
+        where = ("data", stage, name) if st.kind == "dataset" else ("models", name, stage)
+        base = self.params.root.joinpath(*where, self.key(stage, name))
         return base if st.ext == "/" else base.with_name(base.name + st.ext)
 
     def sidecar(self, stage: str, name: str) -> Path:
@@ -207,7 +214,54 @@ def _responses_slice(keys: Keys, ds: str) -> tuple[dict, dict]:
     return slice_, {"prompts": keys.key("prompts", ds)}
 
 
+def _hidden_keys(keys: Keys, drafter: str) -> dict:
+    return {ds: keys.key("hidden", ds) for ds in keys.params.drafter(drafter)["datasets"]}
+
+
+def _vocab_slice(keys: Keys, drafter: str) -> tuple[dict, dict]:
+    d = keys.params.drafter(drafter)
+    return {"draft_vocab_size": d["draft_vocab_size"]}, {"hidden": _hidden_keys(keys, drafter)}
+
+
+def _train_slice(keys: Keys, drafter: str) -> tuple[dict, dict]:
+    p, d = keys.params, keys.params.drafter(drafter)
+    train = {k: v for k, v in d["train"].items() if k != "checkpoint_every"}
+    train["max_length"] = train.get("max_length") or p.target["max_length"]
+    slice_ = {
+        "train": train,
+        "heldout_fraction": d["heldout_fraction"],
+        "target": keys.target_identity(),  # the frozen embeddings and lm_head come from it
+    }
+    upstream = {"vocab": keys.key("vocab", drafter), "hidden": _hidden_keys(keys, drafter)}
+    return slice_, upstream
+
+
+def _evaluate_slice(keys: Keys, drafter: str) -> tuple[dict, dict]:
+    d = keys.params.drafter(drafter)
+    evaluate = {k: v for k, v in d["evaluate"].items() if k != "device"}
+    slice_ = {
+        "evaluate": evaluate,
+        "heldout_fraction": d["heldout_fraction"],
+        "target": keys.target_identity(),
+    }
+    upstream = {"train": keys.key("train", drafter), "hidden": _hidden_keys(keys, drafter)}
+    return slice_, upstream
+
+
+def _export_slice(fmt: str) -> Callable[[Keys, str], tuple[dict, dict]]:
+    def slice_(keys: Keys, drafter: str) -> tuple[dict, dict]:
+        steps = min(keys.params.drafter(drafter)["evaluate"]["num_steps"])
+        return {"format": fmt, "num_steps": steps}, {"train": keys.key("train", drafter)}
+
+    return slice_
+
+
 _SLICES: dict[str, Callable[[Keys, str], tuple[dict, dict]]] = {
     "prompts": _prompts_slice,
     "responses": _responses_slice,
+    "vocab": _vocab_slice,
+    "train": _train_slice,
+    "evaluate": _evaluate_slice,
+    "sglang": _export_slice("sglang"),
+    "vllm": _export_slice("vllm"),
 }

@@ -151,8 +151,7 @@ def acceptance(results: list[Decoded], num_steps: int) -> dict:
     return {
         "acceptance_length": tokens / rounds if rounds else None,
         "acceptance_rate": [
-            reached[i] / reached[i - 1] if reached[i - 1] else 0.0
-            for i in range(1, num_steps + 1)
+            reached[i] / reached[i - 1] if reached[i - 1] else 0.0 for i in range(1, num_steps + 1)
         ],
         "generated_tokens": tokens,
         "rounds": rounds,

@@ -61,14 +61,19 @@ def step_masks(loss_mask: Tensor, argmax: Tensor, t2d: Tensor, steps: int) -> li
     return [shift(loss_mask, k + 2) & shift(in_vocab, k + 1) for k in range(steps)]
 
 
+def at(x: Tensor, mask: Tensor, n: int) -> Tensor:
+    """x[b, t + n] for every (b, t) where mask holds; mask must be False for t >= T - n."""
+    return x[:, n:][mask[:, : x.shape[1] - n]]
+
+
 def ttt_sums(logits: list[Tensor], p: Tensor, masks: list[Tensor]) -> tuple[Tensor, Tensor]:
-    """Per step: the summed soft cross-entropy and the count of top-1 hits, over valid positions."""
+    """Per step: the summed soft cross-entropy and the count of top-1 hits, over valid positions.
+    logits[k] [N_k, Vd] are the step's logits at the positions of masks[k]; p is [B, T, Vd]."""
     ce, hits = [], []
     for k, (lk, mk) in enumerate(zip(logits, masks, strict=True)):
-        pk = shift(p, k + 1)
-        logq = F.log_softmax(lk.float(), dim=-1)
-        ce.append((-(pk * logq).sum(-1) * mk).sum())
-        hits.append(((lk.argmax(-1) == pk.argmax(-1)) & mk).sum())
+        pk = at(p, mk, k + 1)
+        ce.append(-(pk * F.log_softmax(lk.float(), dim=-1)).sum())
+        hits.append((lk.argmax(-1) == pk.argmax(-1)).sum())
     return torch.stack(ce), torch.stack(hits).float()
 
 
@@ -126,7 +131,8 @@ def heldout(model: Drafter, readers, refs, hp: dict, lm_head: Tensor, run: Run) 
         for i in range(0, len(refs), bs):
             batch = drafter_data.load(readers, refs[i : i + bs], hp["max_length"])
             b = prepare(batch, lm_head, model.t2d, steps, run.device)
-            c, h = ttt_sums(model(b["aux"], b["input_ids"], steps), b["p"], b["masks"])
+            logits = model(b["aux"], b["input_ids"], steps, b["masks"])
+            c, h = ttt_sums(logits, b["p"], b["masks"])
             ce, hits = ce + c.cpu(), hits + h.cpu()
             n += torch.stack([m.sum() for m in b["masks"]]).float().cpu()
     n = n.clamp(min=1)
@@ -247,7 +253,7 @@ def fit(
             sync = j == len(micro) - 1 or run.world == 1
             with nullcontext() if sync else ddp.no_sync():  # all-reduce grads once per step
                 with run.autocast():
-                    logits = ddp(b["aux"], b["input_ids"], steps)
+                    logits = ddp(b["aux"], b["input_ids"], steps, b["masks"])
                 ce, hits = ttt_sums(logits, b["p"], b["masks"])
                 # DDP averages gradients over processes; counts are global, so scale back
                 loss = (weights.to(ce.device) * ce / counts.to(ce.device)).sum() * run.world
@@ -283,7 +289,9 @@ def fit(
             save_checkpoint(step + 1)
     progress.close()
     elapsed = time.monotonic() - t0
-    final = heldout(model, readers, held_refs, hp, lm_head, run) if held_refs and run.rank == 0 else None
+    final = None
+    if held_refs and run.rank == 0:
+        final = heldout(model, readers, held_refs, hp, lm_head, run)
     stats = {
         "steps": total,
         "resumed_from": start,
@@ -336,16 +344,6 @@ def load(folder: str | Path, device: str = "cpu") -> Drafter:
     return model.to(device).eval()
 
 
-def hyperparameters(params: Params, drafter: str) -> dict:
-    """The drafter's training settings (those that change the weights), complete."""
-    d = params.drafter(drafter)
-    hp = dict(d["train"])
-    hp.pop("checkpoint_every")
-    hp["heldout_fraction"] = d["heldout_fraction"]
-    hp["max_length"] = hp.get("max_length") or params.target["max_length"]
-    return hp
-
-
 def build(
     params: Params,
     drafter: str,
@@ -369,7 +367,7 @@ def build(
     )
     embed, lm_head = load_head(spec)
     every = params.drafter(drafter)["train"]["checkpoint_every"]
-    hp = hyperparameters(params, drafter)
+    hp = prov["params"]["train"] | {"heldout_fraction": prov["params"]["heldout_fraction"]}
     stats = fit(readers, cfg, embed, lm_head, d2t, t2d, hp, out, every, quiet=quiet)
     if int(os.environ.get("RANK", "0")) == 0:
         write_json(sidecar_of(out), {"provenance": prov, "stats": stats})

@@ -13,8 +13,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from eaglet.errors import EagletError
 from eaglet.drafter_data import open_readers
+from eaglet.errors import EagletError
 from eaglet.io import atomic_path, write_json
 from eaglet.keys import Keys, sidecar_of
 from eaglet.params import Params

@@ -1,0 +1,194 @@
+"""The evaluate stage: how many tokens the target accepts per verification with this drafter.
+
+Real greedy chain speculative decoding (eaglet.speculative) of the target on held-out prompts
+for each `num_steps`: acceptance length (generated tokens / verification rounds, bonus token
+included, as SGLang counts), acceptance per draft position, and the check that every output
+equals plain greedy decoding of the target. Also a fast offline estimate from the held-out
+hidden states: the teacher-forced chain from every assistant position (what chain decoding
+would accept there, without running the target). Writes metrics.json and PNG plots of the
+acceptance per position and of the training loss.
+"""
+
+from __future__ import annotations
+
+import csv
+import time
+from pathlib import Path
+
+import torch
+
+from eaglet import drafter_data, speculative, train
+from eaglet.chat import stop_ids
+from eaglet.drafter import Drafter
+from eaglet.io import atomic_path, write_json
+from eaglet.keys import Keys, sidecar_of
+from eaglet.params import Params
+from eaglet.progress import Progress
+from eaglet.target import load_model, load_tokenizer, resolve
+
+
+def prompt_of(sample: dict) -> list[int] | None:
+    """The prompt ids of a sample: everything before its first assistant token."""
+    first = sample["loss_mask"].nonzero()
+    return sample["input_ids"][: int(first[0])].tolist() if len(first) else None
+
+
+@torch.no_grad()
+def offline(
+    model: Drafter, readers: list, refs: list, lm_head: torch.Tensor, num_steps: list[int]
+) -> dict:
+    """Acceptance estimated from held-out hidden states: at every start position t whose
+    token t+1 is an assistant token, the draft chain is accepted while step k's draft equals
+    the target's argmax at t+k+1 and token t+k+2 is still in the response."""
+    steps = max(num_steps)
+    accepted: list[torch.Tensor] = []
+    for i in range(0, len(refs), 4):
+        b = drafter_data.load(readers, refs[i : i + 4], 1 << 30)
+        b = {k: v.to(lm_head.device) for k, v in b.items()}
+        logits = model(b["aux"], b["input_ids"], steps)
+        target = (b["last"].float() @ lm_head.float().T).argmax(-1)
+        lm = b["loss_mask"]
+        run = torch.ones_like(lm)
+        count = torch.zeros(lm.shape, dtype=torch.long, device=lm.device)
+        for k, lk in enumerate(logits):
+            hit = model.to_target(lk.argmax(-1)) == train.shift(target, k + 1)
+            run = run & hit & train.shift(lm, k + 2)
+            count += run
+        start = train.shift(lm, 1) & train.shift(lm, 2)
+        accepted.append(count[start].cpu())
+    n = torch.cat(accepted) if accepted else torch.zeros(0, dtype=torch.long)
+    out = {}
+    for s in num_steps:
+        kept = n.clamp(max=s)
+        reached = [int((kept >= i).sum()) for i in range(s + 1)]
+        out[f"num_steps_{s}"] = {
+            "acceptance_length": float(1 + kept.float().mean()) if len(n) else None,
+            "acceptance_rate": [
+                reached[i] / reached[i - 1] if reached[i - 1] else 0.0 for i in range(1, s + 1)
+            ],
+            "positions": len(n),
+        }
+    return out
+
+
+def decode_all(target, model, prompts, cfg: dict, stop: set[int], quiet: bool) -> dict:
+    """Plain greedy and speculative decoding of every prompt; the metrics of each num_steps."""
+    steps, max_new = cfg["num_steps"], cfg["max_new_tokens"]
+    progress = Progress("evaluate", len(prompts) * (1 + len(steps)), quiet=quiet, unit="run")
+    plain = []
+    runs = {s: [] for s in steps}
+    for p in prompts:
+        plain.append(speculative.greedy(target, p, max_new, stop))
+        progress.update(1, tokens=len(plain[-1].tokens))
+        for s in steps:
+            runs[s].append(speculative.speculate(target, model, p, max_new, stop, s))
+            progress.update(1, tokens=len(runs[s][-1].tokens))
+    progress.close()
+    greedy_tps = sum(len(r.tokens) for r in plain) / sum(r.seconds for r in plain)
+    out = {}
+    for s, results in runs.items():
+        m = speculative.acceptance(results, s)
+        same = [r.tokens == g.tokens for r, g in zip(results, plain, strict=True)]
+        tps = m["generated_tokens"] / sum(r.seconds for r in results)
+        m.update(
+            greedy_equal=all(same),
+            greedy_mismatches=same.count(False),
+            tokens_per_s=round(tps, 2),
+            greedy_tokens_per_s=round(greedy_tps, 2),
+            speedup=round(tps / greedy_tps, 3),
+        )
+        out[f"num_steps_{s}"] = m
+    return out
+
+
+def plot(metrics: dict, train_rows: list[dict], folder: Path) -> None:
+    """acceptance.png (per draft position) and loss.png (training loss and accuracy)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for name, m in metrics["speculative"].items():
+        rates = m["acceptance_rate"]
+        al = m["acceptance_length"] or 0.0
+        ax.plot(range(1, len(rates) + 1), rates, "o-", label=f"{name}: AL {al:.2f}")
+    for name, m in metrics["offline"].items():
+        rates = m["acceptance_rate"]
+        ax.plot(range(1, len(rates) + 1), rates, "x--", alpha=0.6, label=f"offline {name}")
+    ax.set(xlabel="draft position", ylabel="acceptance rate (given the previous accepted)")
+    ax.set_ylim(0, 1)
+    ax.legend(fontsize=8)
+    ax.set_title(f"{metrics['drafter']}: acceptance per position")
+    fig.tight_layout()
+    fig.savefig(folder / "acceptance.png", dpi=100)
+    plt.close(fig)
+
+    fig, (a1, a2) = plt.subplots(1, 2, figsize=(10, 4))
+    steps = [int(r["step"]) for r in train_rows]
+    a1.plot(steps, [float(r["loss"]) for r in train_rows])
+    a1.set(xlabel="step", ylabel="weighted TTT loss", title="training loss")
+    for k in range(len([c for c in train_rows[0] if c.startswith("acc_")]) if train_rows else 0):
+        a2.plot(steps, [float(r[f"acc_{k}"]) for r in train_rows], label=f"step {k}")
+    a2.set(xlabel="step", ylabel="top-1 accuracy", title="training accuracy per TTT step")
+    a2.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(folder / "loss.png", dpi=100)
+    plt.close(fig)
+
+
+def build(
+    params: Params,
+    drafter: str,
+    out: Path | None = None,
+    threads: int | None = None,
+    quiet: bool = False,
+) -> Path:
+    """Evaluate the current trained drafter; write the metrics folder and its sidecar."""
+    if threads:
+        torch.set_num_threads(threads)
+    keys = Keys(params)
+    prov = keys.provenance("evaluate", drafter)
+    out = Path(out) if out else keys.path("evaluate", drafter)
+    d = params.drafter(drafter)
+    cfg = d["evaluate"]
+    readers = drafter_data.open_readers(params, drafter)
+    _, held = drafter_data.split(readers, d["heldout_fraction"])
+    trained = keys.path("train", drafter)
+    model = train.load(trained)
+    t = params.target
+    spec = resolve(t["model"], t.get("revision"), params.root)
+    target_model = load_model(spec, cfg["device"], cfg["dtype"])
+    stop = set(stop_ids(load_tokenizer(spec), target_model))
+    model.to(next(target_model.parameters()).device)
+    target = speculative.Target(target_model, list(model.cfg.aux_layer_ids))
+    prompts = []
+    for i, sid in held:
+        p = prompt_of(readers[i].get(sid))
+        if p is not None and len(prompts) < cfg["prompts"]:
+            prompts.append(p)
+    t0 = time.monotonic()
+    metrics = {
+        "drafter": drafter,
+        "prompts": len(prompts),
+        "speculative": decode_all(target, model, prompts, cfg, stop, quiet),
+        "offline": offline(model, readers, held, target_model.lm_head.weight, cfg["num_steps"]),
+    }
+    metrics["elapsed_s"] = round(time.monotonic() - t0, 2)
+    with open(trained / "metrics.csv", newline="") as f:
+        rows = list(csv.DictReader(f))
+    with atomic_path(out, directory=True) as tmp:
+        write_json(tmp / "metrics.json", metrics)
+        plot(metrics, rows, tmp)
+        write_json(sidecar_of(out), {"provenance": prov, "stats": summary(metrics)})
+    return out
+
+
+def summary(metrics: dict) -> dict:
+    """The headline numbers: acceptance length and greedy equality per num_steps."""
+    out = {"prompts": metrics["prompts"]}
+    for name, m in metrics["speculative"].items():
+        out[f"acceptance_length_{name}"] = m["acceptance_length"]
+        out[f"greedy_equal_{name}"] = m["greedy_equal"]
+        out[f"offline_acceptance_length_{name}"] = metrics["offline"][name]["acceptance_length"]
+    return out

@@ -1,0 +1,195 @@
+"""The draft vocab, the drafter's shapes, TTT == chain decoding, and one TTT loss by hand."""
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from eaglet import train, vocab
+from eaglet.drafter import Drafter, DrafterConfig, KVCache
+from eaglet.errors import EagletError
+
+
+def tiny_config(**kw) -> DrafterConfig:
+    base = {
+        "vocab_size": 12,
+        "draft_vocab_size": 6,
+        "hidden_size": 8,
+        "target_hidden_size": 8,
+        "intermediate_size": 16,
+        "num_attention_heads": 2,
+        "num_key_value_heads": 1,
+        "head_dim": 4,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 10000.0,
+        "max_position_embeddings": 64,
+        "aux_layer_ids": (1, 2, 3),
+    }
+    return DrafterConfig(**(base | kw))
+
+
+def test_vocab_from_hand_built_counts():
+    counts = torch.tensor([5, 0, 3, 3, 7, 0, 1])
+    d2t, t2d = vocab.select(counts, 3)  # 4 (7), 0 (5), then 2 beats 3 on the tie by id
+    assert (torch.arange(3) + d2t).tolist() == [0, 2, 4]
+    assert d2t.tolist() == [0, 1, 2] and d2t.dtype == torch.int64
+    assert t2d.tolist() == [True, False, True, False, True, False, False]
+    d2t, t2d = vocab.select(counts, 6)  # 5 ids occur: padded with the smallest unused (1)
+    assert (torch.arange(6) + d2t).tolist() == [0, 1, 2, 3, 4, 6]
+    assert int(t2d.sum()) == 6 and not t2d[5]
+    with pytest.raises(EagletError, match="exceeds the target vocab"):
+        vocab.select(counts, 8)
+
+
+def test_vocab_counts_only_loss_masked_tokens():
+    samples = [
+        {
+            "id": "a",
+            "input_ids": torch.tensor([1, 2, 3, 3]),
+            "loss_mask": torch.tensor([0, 0, 1, 1]),
+        },
+        {"id": "b", "input_ids": torch.tensor([3, 5, 5]), "loss_mask": torch.tensor([1, 1, 0])},
+    ]
+    for s in samples:
+        s["loss_mask"] = s["loss_mask"].bool()
+    counts = vocab.count_tokens([samples], 8)
+    assert counts.tolist() == [0, 0, 0, 3, 0, 1, 0, 0]
+
+
+def test_forward_shapes():
+    cfg = tiny_config()
+    torch.manual_seed(0)
+    model = Drafter(cfg)
+    assert model.fc.weight.shape == (8, 3 * 8) and model.lm_head.weight.shape == (6, 8)
+    assert model.midlayer.self_attn.q_proj.weight.shape == (2 * 4, 2 * 8)
+    assert model.midlayer.self_attn.k_proj.weight.shape == (1 * 4, 2 * 8)
+    assert not model.embed_tokens.weight.requires_grad
+    aux, ids = torch.randn(2, 5, 3, 8), torch.randint(0, 12, (2, 5))
+    out = model(aux, ids, 3)
+    assert len(out) == 3 and all(o.shape == (2, 5, 6) for o in out)
+    masks = [torch.rand(2, 5) > 0.5 for _ in range(3)]
+    sparse = model(aux, ids, 3, masks)
+    for o, s, m in zip(out, sparse, masks, strict=True):
+        assert s.shape == (int(m.sum()), 6) and torch.allclose(o[m], s, atol=1e-6)
+    model.d2t.copy_(torch.tensor([0, 1, 1, 3, 3, 6]))
+    assert model.to_target(torch.tensor([0, 2, 5])).tolist() == [0, 3, 11]
+
+
+def test_ttt_step_k_is_what_chain_decoding_computes():
+    """Training's step k at position t equals decoding: step-0 entries up to t from the target's
+    features, then k chain steps on the (teacher-forced) next tokens."""
+    torch.manual_seed(1)
+    model = Drafter(tiny_config()).eval()
+    aux, ids = torch.randn(1, 9, 3, 8), torch.randint(0, 12, (1, 9))
+    with torch.no_grad():
+        ttt = model(aux, ids, 3)
+        for t in (0, 3, 5):
+            cache = KVCache()
+            h = model.step(
+                model.features(aux[:, : t + 1]), ids[:, 1 : t + 2], torch.arange(t + 1), cache
+            )
+            h = h[:, -1:]
+            assert torch.allclose(model.logits(h)[0, 0], ttt[0][0, t], atol=1e-5)
+            for k in (1, 2):
+                h = model.step(h, ids[:, t + k + 1 : t + k + 2], torch.tensor([t + k]), cache)
+                assert torch.allclose(model.logits(h)[0, 0], ttt[k][0, t], atol=1e-5)
+
+
+def _rms(x, w, eps=1e-6):
+    return w * x / torch.sqrt((x * x).mean() + eps)
+
+
+def _rope(x, pos, theta=10000.0):
+    d = x.numel()
+    out = x.clone()
+    for i in range(d // 2):
+        a = pos * theta ** (-2 * i / d)
+        out[i] = x[i] * math.cos(a) - x[i + d // 2] * math.sin(a)
+        out[i + d // 2] = x[i + d // 2] * math.cos(a) + x[i] * math.sin(a)
+    return out
+
+
+def test_two_ttt_steps_against_a_hand_computed_loss():
+    """The loss of ttt_length=2 on a tiny config, recomputed position by position."""
+    torch.manual_seed(2)
+    cfg = tiny_config()
+    model = Drafter(cfg)
+    model.embed_tokens.weight.normal_()
+    ids_v = torch.tensor([0, 2, 3, 5, 7, 8])
+    model.t2d[ids_v] = True
+    model.d2t.copy_(ids_v - torch.arange(6))
+    T = 6
+    aux, ids = torch.randn(1, T, 3, 8), torch.randint(0, 12, (1, T))
+    last, lm_head = torch.randn(1, T, 8), torch.randn(12, 8)
+    lm_head[ids_v] *= 2  # most argmaxes in the draft vocab, not all: both cases are covered
+    loss_mask = torch.tensor([[False, True, True, True, True, True]])
+
+    # the library: target distribution, masks, per-step sums, weighted normalized loss
+    p, argmax = train.targets(last, lm_head, model.t2d)
+    masks = train.step_masks(loss_mask, argmax, model.t2d, 2)
+    ce, _ = train.ttt_sums(model(aux, ids, 2, masks), p, masks)
+    counts = torch.stack([m.sum() for m in masks]).float()
+    got = (torch.tensor([1.0, 0.8]) * ce / counts).sum()
+
+    # by hand
+    W = {n: m.weight.detach() for n, m in model.named_modules() if hasattr(m, "weight")}
+    E = model.embed_tokens.weight.detach()
+
+    def token(j):
+        return E[ids[0, j]] if j < T else E[0]
+
+    def qkv(emb, hid, pos):
+        x = torch.cat(
+            [_rms(emb, W["midlayer.input_layernorm"]), _rms(hid, W["midlayer.hidden_norm"])]
+        )
+        q = (W["midlayer.self_attn.q_proj"] @ x).view(2, 4)
+        k = (W["midlayer.self_attn.k_proj"] @ x).view(1, 4)
+        v = (W["midlayer.self_attn.v_proj"] @ x).view(1, 4)
+        return [_rope(qh, pos) for qh in q], _rope(k[0], pos), v[0]
+
+    def finish(hid, q, keys, values):
+        heads = []
+        for qh in q:  # both query heads share the single kv head
+            s = torch.stack([qh @ kk / 2.0 for kk in keys])
+            heads.append(sum(w * vv for w, vv in zip(torch.softmax(s, 0), values, strict=True)))
+        h = hid + W["midlayer.self_attn.o_proj"] @ torch.cat(heads)
+        m = _rms(h, W["midlayer.post_attention_layernorm"])
+        mlp = W["midlayer.mlp.down_proj"] @ (
+            F.silu(W["midlayer.mlp.gate_proj"] @ m) * (W["midlayer.mlp.up_proj"] @ m)
+        )
+        return h + mlp
+
+    g = aux[0].flatten(-2) @ W["fc"].T
+    step0 = [qkv(token(t + 1), g[t], t) for t in range(T)]
+    h0 = [
+        finish(
+            g[t],
+            step0[t][0],
+            [step0[s][1] for s in range(t + 1)],
+            [step0[s][2] for s in range(t + 1)],
+        )
+        for t in range(T)
+    ]
+    h1 = []
+    for t in range(T):
+        q, k, v = qkv(token(t + 2), h0[t], t + 1)
+        keys = [step0[s][1] for s in range(t + 1)] + [k]
+        values = [step0[s][2] for s in range(t + 1)] + [v]
+        h1.append(finish(h0[t], q, keys, values))
+    full = last[0] @ lm_head.T
+    want, skipped = 0.0, 0
+    for k, hs in enumerate([h0, h1]):
+        terms = []
+        for t in range(T):
+            j = t + k + 1  # the target position whose distribution step k at t learns
+            if j + 1 >= T or not loss_mask[0, j + 1] or not model.t2d[full[j].argmax()]:
+                continue
+            target = torch.softmax(full[j][ids_v], 0)
+            logq = torch.log_softmax(W["lm_head"] @ _rms(hs[t], W["norm"]), 0)
+            terms.append(-(target * logq).sum())
+        assert len(terms) == int(counts[k]) > 0
+        skipped += sum(1 for t in range(T - k - 2) if loss_mask[0, t + k + 2]) - len(terms)
+        want = want + 0.8**k * torch.stack(terms).mean()
+    assert skipped > 0  # a target argmax outside the draft vocab was masked
+    assert torch.allclose(got, want, atol=1e-5), (got, want)
