@@ -7,6 +7,10 @@
 include: "rules/common.smk"
 include: "rules/prompts.smk"
 include: "rules/responses.smk"
+include: "rules/vocab.smk"
+include: "rules/train.smk"
+include: "rules/evaluate.smk"
+include: "rules/export.smk"
 
 
 rule all:

@@ -23,6 +23,8 @@ EAGLET = f"{sys.executable} -m eaglet"
 
 wildcard_constraints:
     dataset="|".join(re.escape(d) for d in DATASETS),
+    drafter="|".join(re.escape(d) for d in PARAMS.drafters) or "^$",
+    fmt="sglang|vllm",
     key="[0-9a-f]{12}",
 
 
@@ -38,3 +40,19 @@ def keyed(stage, name=None):
 def upstream(stage):
     """Input function: the dataset's current `stage` artifact. Keyed, so never stale by mtime."""
     return lambda wc: ancient(keyed(stage, wc.dataset))
+
+
+def drafter_upstream(*stages):
+    """Input function: a drafter's current `stages` artifacts, plus the hidden states of its
+    datasets. Keyed, so never stale by mtime."""
+
+    def inputs(wc):
+        hidden = [keyed("hidden", ds) for ds in PARAMS.drafter(wc.drafter)["datasets"]]
+        return [ancient(p) for p in [keyed(s, wc.drafter) for s in stages] + hidden]
+
+    return inputs
+
+
+def gpus(device):
+    """The `gpu` resource of a rule running on `device`."""
+    return int(device.startswith("cuda"))

@@ -44,3 +44,17 @@ def tiny_params(**generation) -> dict:
         },
         "drafters": {"d": {"datasets": ["sg", "dolly"], "draft_vocab_size": 512}},
     }
+
+
+@pytest.fixture(scope="session")
+def tiny_drafter(tmp_path_factory):
+    """The tiny random target, its samples, and a drafter trained on them (a folder)."""
+    import torch
+
+    from .hidden_fixture import bundle, fit_tiny, tiny_llama
+
+    torch.set_num_threads(2)
+    data = bundle(n=24, new_tokens=24)
+    out = tmp_path_factory.mktemp("drafter") / "trained"
+    fit_tiny(data, out, epochs=8)
+    return tiny_llama(), data, out

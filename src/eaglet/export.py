@@ -155,6 +155,11 @@ def _need(config: dict, key: str, where: Path):
     return config[key]
 
 
+def _internal(name: str) -> str:
+    """A speculators tensor name as the drafter module calls it."""
+    return name.replace("layers.0.", "midlayer.", 1)
+
+
 def read_config(folder: Path) -> tuple[str, DrafterConfig]:
     """The format and the drafter config an export folder's config.json describes."""
     where = folder / "config.json"
@@ -224,10 +229,7 @@ def load_export(folder: Path, embed: torch.Tensor | None = None) -> tuple[str, D
         raise EagletError(f"{where}: d2t does not map to ascending target ids")
     if int(found["t2d"].sum()) != cfg.draft_vocab_size or not bool(found["t2d"][ids].all()):
         raise EagletError(f"{where}: t2d does not mark exactly the draft vocab of d2t")
-    state = {
-        n.replace("layers.0.", "midlayer.", 1): t.float() if t.is_floating_point() else t
-        for n, t in found.items()
-    }
+    state = {_internal(n): t.float() if t.is_floating_point() else t for n, t in found.items()}
     if fmt == "sglang":
         if embed is None:
             raise EagletError(f"{folder}: an SGLang export uses the target's embeddings: give them")
@@ -261,12 +263,11 @@ def validate(folder: Path, reference: Drafter) -> dict:
             if ref.to_dict()[k] != v
         }
         raise EagletError(f"{folder}/config.json: differs from the trained drafter: {diff}")
-    rounded = Drafter(ref)  # the trained weights as the export dtype stores them
+    # the trained weights as the export stores them (SGLang's embeddings stay the target's)
+    stored = {_internal(n): t for n, t in tensors(reference, fmt).items()}
+    rounded = Drafter(ref)
     rounded.load_state_dict(
-        {
-            n: t.to(getattr(torch, DTYPE)).float() if t.is_floating_point() else t
-            for n, t in reference.state_dict().items()
-        }
+        {n: stored[n].float() if n in stored else t for n, t in reference.state_dict().items()}
     )
     got, want, exact = probe(model), probe(rounded.eval()), probe(reference.eval())
     for k, (a, b) in enumerate(zip(got, want, strict=True)):

@@ -225,7 +225,7 @@ def _vocab_slice(keys: Keys, drafter: str) -> tuple[dict, dict]:
 
 def _train_slice(keys: Keys, drafter: str) -> tuple[dict, dict]:
     p, d = keys.params, keys.params.drafter(drafter)
-    train = {k: v for k, v in d["train"].items() if k != "checkpoint_every"}
+    train = {k: v for k, v in d["train"].items() if k not in ("checkpoint_every", "device")}
     train["max_length"] = train.get("max_length") or p.target["max_length"]
     slice_ = {
         "train": train,

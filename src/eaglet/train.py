@@ -88,10 +88,10 @@ def lr_factor(step: int, warmup: int, total: int, min_ratio: float) -> float:
 class Run:
     """Process group, device and precision of one training process."""
 
-    def __init__(self, dtype: str):
+    def __init__(self, dtype: str, device: str = "auto"):
         self.world = int(os.environ.get("WORLD_SIZE", "1"))
         self.rank = int(os.environ.get("RANK", "0"))
-        cuda = torch.cuda.is_available()
+        cuda = torch.cuda.is_available() if device == "auto" else device == "cuda"
         self.device = torch.device(f"cuda:{os.environ.get('LOCAL_RANK', '0')}" if cuda else "cpu")
         if cuda:
             torch.cuda.set_device(self.device)
@@ -149,11 +149,12 @@ def fit(
     hp: dict,
     out: Path,
     checkpoint_every: int = 100,
+    device: str = "auto",
     quiet: bool = False,
 ) -> dict:
     """Train a drafter on `readers` with hyperparameters `hp` and write it to `out` (a folder:
     model.safetensors, config.json, metrics.csv, heldout.csv). Resumes from `out`'s work folder."""
-    run = Run(hp["dtype"])
+    run = Run(hp["dtype"], device)
     steps = hp["ttt_length"]
     weights = torch.tensor([hp["step_weight"] ** k for k in range(steps)])
     train_refs, held_refs = drafter_data.split(readers, hp["heldout_fraction"])
@@ -366,9 +367,21 @@ def build(
         load_config(spec), len(d2t), manifest["aux_layer_ids"]["sglang"]
     )
     embed, lm_head = load_head(spec)
-    every = params.drafter(drafter)["train"]["checkpoint_every"]
+    settings = params.drafter(drafter)["train"]
     hp = prov["params"]["train"] | {"heldout_fraction": prov["params"]["heldout_fraction"]}
-    stats = fit(readers, cfg, embed, lm_head, d2t, t2d, hp, out, every, quiet=quiet)
+    stats = fit(
+        readers,
+        cfg,
+        embed,
+        lm_head,
+        d2t,
+        t2d,
+        hp,
+        out,
+        settings["checkpoint_every"],
+        settings["device"],
+        quiet=quiet,
+    )
     if int(os.environ.get("RANK", "0")) == 0:
         write_json(sidecar_of(out), {"provenance": prov, "stats": stats})
     return out
