@@ -7,11 +7,12 @@
 include: "rules/common.smk"
 include: "rules/prompts.smk"
 include: "rules/responses.smk"
+include: "rules/hidden.smk"
 
 
 rule all:
     input:
-        [keyed("responses", ds) for ds in DATASETS],
+        [keyed("hidden", ds) for ds in DATASETS],
     default_target: True
 
 
