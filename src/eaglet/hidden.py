@@ -218,7 +218,9 @@ def build(
     out = Path(out) if out else keys.path("hidden", dataset)
     h = params.data["hidden"]
     source, records = _responses(keys, dataset)
+    t_load = time.monotonic()
     target = Target(params, keys)
+    load_s = time.monotonic() - t_load
     ids = layer_ids(params, target.config.num_hidden_layers)
     samples, stats = sequences(records, target, source)
     if not samples:
@@ -236,7 +238,7 @@ def build(
         )
     t_load = time.monotonic()
     backend = make_backend(params, target, ids, threads)
-    load_s = time.monotonic() - t_load
+    load_s += time.monotonic() - t_load  # tokenizer and model: once per run
     progress = Progress(f"hidden {dataset}", len(samples), quiet=quiet, unit="seq")
     t_run = time.monotonic()
     try:
