@@ -7,6 +7,7 @@
 include: "rules/common.smk"
 include: "rules/prompts.smk"
 include: "rules/responses.smk"
+include: "rules/hidden.smk"
 include: "rules/vocab.smk"
 include: "rules/train.smk"
 include: "rules/evaluate.smk"
@@ -15,7 +16,8 @@ include: "rules/export.smk"
 
 rule all:
     input:
-        [keyed("responses", ds) for ds in DATASETS],
+        [keyed("hidden", ds) for ds in DATASETS],
+        [keyed(stage, d) for d in PARAMS.drafters for stage in ("evaluate", "sglang", "vllm")],
     default_target: True
 
 

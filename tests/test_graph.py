@@ -90,7 +90,7 @@ def test_one_dataset_param_reruns_only_its_chain_and_reverting_reruns_nothing(re
     write_params(repo, data)
     try:
         plan = smk(repo, "-n")
-        assert planned(repo) == {"responses": 1, "all": 1}
+        assert planned(repo) == {"responses": 1, "hidden": 1, "all": 1}
         assert (
             "data/responses/dolly/" in plan
             and "data/responses/sg/" not in plan.split("rule all")[0]
@@ -112,11 +112,11 @@ def test_comment_only_edit_reruns_nothing_and_real_edit_reruns_downstream(repo):
     try:
         assert planned(repo) == {}
         gen.write_text(old + "\n\nRETRY_NOTE = 'a real change'\n")
-        assert planned(repo) == {"responses": 2, "all": 1}  # prompts do not import generate
+        assert planned(repo) == {"responses": 2, "hidden": 2, "all": 1}  # prompts: no generate
         readers = repo / "src" / "eaglet" / "readers.py"
         old_readers = _edit(readers, "{old}\n\nUNUSED = 1\n")
         try:
-            assert planned(repo) == {"prompts": 2, "responses": 2, "all": 1}
+            assert planned(repo) == {"prompts": 2, "responses": 2, "hidden": 2, "all": 1}
         finally:
             readers.write_text(old_readers)
     finally:
@@ -129,7 +129,7 @@ def test_fresh_clone_plus_dvc_pull_is_up_to_date(repo, tmp_path):
     dvc = [sys.executable, "-m", "dvc"]
     run(repo, *dvc, "remote", "add", "-f", "-d", "store", str(remote))
     eaglet(repo, "gc")
-    run(repo, *dvc, "add", "-q", "data/prompts", "data/responses")
+    run(repo, *dvc, "add", "-q", "data/prompts", "data/responses", "data/hidden")
     run(repo, *dvc, "push", "-q")
     git(repo, "add", "-A")
     git(repo, "commit", "-qm", "store artifacts")
@@ -146,7 +146,7 @@ def test_gc_keeps_current_and_status_flags_other_code(repo):
     old = _edit(gen, "{old}\n\nCHANGED = True\n")
     try:
         out = eaglet(repo, "status")
-        assert out.count("missing") == 2  # the new code's responses are not built yet
+        assert out.count("missing") == 4  # the new code's responses (and hidden) are not built
         listing = eaglet(repo, "gc", "--dry-run")
         assert listing.count("other-code") == 2 and "data/responses/" in listing
     finally:

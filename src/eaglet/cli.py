@@ -53,6 +53,21 @@ def cmd_generate(args: argparse.Namespace) -> None:
     )
 
 
+def cmd_hidden(args: argparse.Namespace) -> None:
+    import json
+
+    from eaglet import hidden
+
+    params = _checked(args, "hidden")
+    if args.verify:
+        report = hidden.verify(
+            params, args.dataset, path=args.out, samples=args.samples, threads=args.threads
+        )
+        print(json.dumps(report))
+    else:
+        print(hidden.build(params, args.dataset, args.out, threads=args.threads, quiet=args.quiet))
+
+
 def cmd_vocab(args: argparse.Namespace) -> None:
     from eaglet import vocab
 
@@ -175,6 +190,11 @@ def parser() -> argparse.ArgumentParser:
     g = stage("generate", cmd_generate, "regenerate responses with the target")
     g.add_argument("--threads", type=int, help="torch threads (Snakemake passes {threads})")
     g.add_argument("--quiet", action="store_true", help="log lines instead of a live bar")
+    h = stage("hidden", cmd_hidden, "store the target's hidden states for the responses")
+    h.add_argument("--threads", type=int, help="torch threads (Snakemake passes {threads})")
+    h.add_argument("--quiet", action="store_true", help="log lines instead of a live bar")
+    h.add_argument("--verify", action="store_true", help="re-run the target, compare")
+    h.add_argument("--samples", type=int, help="records --verify re-runs")
     stage("vocab", cmd_vocab, "pick the draft vocabulary from the assistant tokens", "drafter")
     for name, fn, text in [
         ("train", cmd_train, "train the EAGLE-3 drafter (torchrun for DDP)"),

@@ -40,6 +40,7 @@ STAGES: dict[str, Stage] = {
     for s in [
         Stage("prompts", "eaglet.prompts", ".jsonl.zst", "dataset"),
         Stage("responses", "eaglet.generate", ".jsonl.zst", "dataset"),
+        Stage("hidden", "eaglet.hidden", "/", "dataset"),
         Stage("vocab", "eaglet.vocab", ".safetensors", "drafter"),
         Stage("train", "eaglet.train", "/", "drafter"),
         Stage("evaluate", "eaglet.evaluate", "/", "drafter"),
@@ -214,6 +215,22 @@ def _responses_slice(keys: Keys, ds: str) -> tuple[dict, dict]:
     return slice_, {"prompts": keys.key("prompts", ds)}
 
 
+def _hidden_slice(keys: Keys, ds: str) -> tuple[dict, dict]:
+    h = keys.params.data["hidden"]
+    compute = {"backend": h["backend"]}
+    if h["backend"] == "transformers":
+        compute["dtype"] = h["compute_dtype"]
+    slice_ = {
+        "target": keys.target_identity(),
+        "max_length": keys.params.target["max_length"],
+        "aux_layer_ids": h.get("aux_layer_ids", "sglang-default"),
+        "compute": compute,
+        "dtype": h["dtype"],
+        "storage": {"compress": h["compress"], "fp8": h["fp8"], "shard_mb": h["shard_mb"]},
+    }
+    return slice_, {"responses": keys.key("responses", ds)}
+
+
 def _hidden_keys(keys: Keys, drafter: str) -> dict:
     return {ds: keys.key("hidden", ds) for ds in keys.params.drafter(drafter)["datasets"]}
 
@@ -259,6 +276,7 @@ def _export_slice(fmt: str) -> Callable[[Keys, str], tuple[dict, dict]]:
 _SLICES: dict[str, Callable[[Keys, str], tuple[dict, dict]]] = {
     "prompts": _prompts_slice,
     "responses": _responses_slice,
+    "hidden": _hidden_slice,
     "vocab": _vocab_slice,
     "train": _train_slice,
     "evaluate": _evaluate_slice,

@@ -21,6 +21,11 @@ DATASET_METRICS = {
         "completion_tokens": "completion_tokens",
         "cost": "cost_usd",
     },
+    "hidden": {
+        "tokens": "hidden_tokens",
+        "loss_tokens": "loss_tokens",
+        "bytes_per_token": "hidden_bytes_per_token",
+    },
 }
 
 

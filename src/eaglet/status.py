@@ -27,6 +27,8 @@ def collect(params: Params) -> list[dict]:
             }
             if path.exists() and sidecar.exists():
                 row["stats"] = read_json(sidecar).get("stats", {})
+            if stage == "hidden" and path.is_dir():
+                row["disk_bytes"] = sum(p.stat().st_size for p in path.iterdir() if p.is_file())
             rows.append(row)
     return rows
 
@@ -38,6 +40,12 @@ def _summary(row: dict) -> str:
     if row["stage"] == "responses" and st:
         cost = f", ${st['cost']:.4f}" if st.get("cost") else ""
         return f"{st['responses']} responses, {st['completion_tokens']} completion tokens{cost}"
+    if row["stage"] == "hidden" and st:
+        per_token = row["disk_bytes"] / st["tokens"]
+        return (
+            f"{st['samples']} seqs, {st['tokens']} tok, {per_token:.0f} B/tok on disk "
+            f"= {st['state_bytes_per_token']} x {per_token / st['state_bytes_per_token']:.3f}"
+        )
     return ""
 
 

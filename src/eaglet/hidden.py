@@ -1,0 +1,393 @@
+"""The hidden-states stage: the target re-reads every prompt + response; its features are stored.
+
+Per response the sequence is the target's chat template over the prompt messages plus the
+assistant turn. With the record's `output_ids` (what the target generated, stop token included)
+it is exactly prompt ids + output ids; without them (API backends) the turn is derived from the
+template itself (`chat.assistant_turn`). The loss mask is True on the turn's tokens only. Each
+sequence is cut at `target.max_length`.
+
+The target is run once per sequence (batched by length) and the outputs of the aux layers
+(SGLang ids, default [1, N//2-1, N-4]) and the final post-norm state are stored in shards
+(`eaglet.hidden_store`), built in a partial directory that survives kills and resumes shard by
+shard. Layer conventions: SGLang id i = output of decoder layer i = vLLM id i+1 = index i+1 of
+transformers' `output_hidden_states`, whose last entry (N) is the post-norm state.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import random
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from eaglet.chat import assistant_turn, prompt_ids, stop_ids
+from eaglet.errors import EagletError
+from eaglet.hidden_store import FORMAT, HiddenReader, PartialDir, Storage, decode, encode
+from eaglet.io import dumps, read_jsonl, write_json
+from eaglet.keys import Keys, sidecar_of
+from eaglet.params import Params
+from eaglet.progress import Progress
+from eaglet.target import TargetSpec, load_tokenizer, materialize, resolve
+
+# Largest per-token relative error (L2 over a row) that --verify accepts, by storage: the
+# storage's own rounding plus the noise of recomputing a sequence alone instead of in a batch.
+VERIFY_TOLERANCE = {"float32": 1e-3, "bfloat16": 2e-2, "fp8": 0.1}
+VOLATILE_CONFIG_KEYS = ("transformers_version", "_name_or_path", "_model_name_or_path", "dtype")
+
+
+def default_layer_ids(n_layers: int) -> list[int]:
+    """SGLang's default EAGLE-3 aux layers: outputs of layers 1, N//2-1 and N-4 (0-based)."""
+    return [1, n_layers // 2 - 1, n_layers - 4]
+
+
+def layer_ids(params: Params, n_layers: int) -> list[int]:
+    ids = params.data["hidden"].get("aux_layer_ids") or default_layer_ids(n_layers)
+    bad = [i for i in ids if not 0 <= i < n_layers]
+    if bad:
+        raise EagletError(
+            f"{params.path}: hidden.aux_layer_ids: {bad} out of range for a target of "
+            f"{n_layers} layers (SGLang ids: 0 .. {n_layers - 1})"
+        )
+    return list(ids)
+
+
+class Target:
+    """The target's tokenizer, config and identity (weights are loaded by the backend)."""
+
+    def __init__(self, params: Params, keys: Keys):
+        from transformers import AutoConfig
+
+        t = params.target
+        self.spec: TargetSpec = resolve(t["model"], t.get("revision"), params.root)
+        self.tokenizer = load_tokenizer(self.spec)
+        folder = materialize(self.spec)
+        self.config = AutoConfig.from_pretrained(folder, revision=self.spec.revision)
+        self.stop = stop_ids(self.tokenizer, self.config)
+        self.max_length = t["max_length"]
+        cfg = {k: v for k, v in self.config.to_dict().items() if k not in VOLATILE_CONFIG_KEYS}
+        self.identity = {
+            **keys.target_identity(),
+            "config_sha256": hashlib.sha256(dumps(cfg).encode()).hexdigest(),
+            "num_hidden_layers": self.config.num_hidden_layers,
+            "hidden_size": self.config.hidden_size,
+            "vocab_size": self.config.vocab_size,
+            "max_length": self.max_length,
+        }
+
+
+def sequence(rec: dict, target: Target) -> tuple[dict | None, dict]:
+    """Token ids and loss mask of one response record, or None and why it was skipped."""
+    info: dict[str, Any] = {"source": "output_ids" if rec.get("output_ids") is not None else ""}
+    if info["source"]:
+        prompt = prompt_ids(target.tokenizer, rec["messages"])
+        turn = list(rec["output_ids"])
+    else:
+        info["source"] = "template"
+        prompt, turn, rendered = assistant_turn(
+            target.tokenizer,
+            rec["messages"],
+            rec["response"] or "",
+            rec.get("reasoning"),
+            target.stop,
+            finished=rec.get("finish_reason") != "length",
+        )
+        info["reasoning_not_rendered"] = bool(rec.get("reasoning")) and not rendered
+    if not turn:
+        return None, {**info, "skipped": "empty_response"}
+    ids = prompt + turn
+    mask = [False] * len(prompt) + [True] * len(turn)
+    info["truncated_tokens"] = max(0, len(ids) - target.max_length)
+    ids, mask = ids[: target.max_length], mask[: target.max_length]
+    if not any(mask):
+        return None, {**info, "skipped": "no_loss_tokens"}
+    sample = {
+        "id": rec["id"],
+        "response_sha256": hashlib.sha256(dumps(rec).encode()).hexdigest(),
+        "input_ids": ids,
+        "loss_mask": mask,
+        "prompt_tokens": len(prompt),
+    }
+    return sample, info
+
+
+def sequences(records: list[dict], target: Target, source: Path) -> tuple[list[dict], dict]:
+    """Samples of every usable record (record order) and counts of what happened to the rest."""
+    samples, counts = [], Counter()
+    for rec in records:
+        try:
+            sample, info = sequence(rec, target)
+        except KeyError as e:
+            raise EagletError(f"{source}: response {rec.get('id')}: missing field {e}") from None
+        except EagletError as e:
+            raise EagletError(f"{source}: response {rec.get('id')}: {e}") from None
+        counts[f"from_{info['source']}"] += 1
+        counts["reasoning_not_rendered"] += info.get("reasoning_not_rendered", False)
+        if sample is None:
+            counts[f"skipped_{info['skipped']}"] += 1
+            continue
+        counts["truncated"] += info["truncated_tokens"] > 0
+        counts["truncated_tokens"] += info["truncated_tokens"]
+        counts["unfinished"] += rec.get("finish_reason") == "length"
+        samples.append(sample)
+    stats = {
+        "records": len(records),
+        "samples": len(samples),
+        "tokens": sum(len(s["input_ids"]) for s in samples),
+        "loss_tokens": sum(sum(s["loss_mask"]) for s in samples),
+        **{k: counts[k] for k in sorted(counts)},
+    }
+    return samples, stats
+
+
+def plan_shards(samples: list[dict], token_bytes: int, shard_bytes: float) -> list[list[int]]:
+    """Consecutive runs of samples of about `shard_bytes` (uncompressed) each."""
+    shards: list[list[int]] = [[]]
+    size = 0
+    for i, s in enumerate(samples):
+        n = len(s["input_ids"]) * token_bytes
+        if shards[-1] and size + n > shard_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append(i)
+        size += n
+    return [s for s in shards if s]
+
+
+def length_batches(lengths: list[int], batch_tokens: int) -> list[list[int]]:
+    """Indices grouped by length so that count x longest <= batch_tokens (at least one each)."""
+    order = sorted(range(len(lengths)), key=lambda i: lengths[i])
+    batches: list[list[int]] = []
+    for i in order:
+        if batches and (len(batches[-1]) + 1) * lengths[i] <= batch_tokens:
+            batches[-1].append(i)
+        else:
+            batches.append([i])
+    return batches
+
+
+def make_backend(params: Params, target: Target, ids: list[int], threads: int | None = None):
+    """The hidden-states backend that params.yaml's `hidden.backend` names."""
+    from eaglet.hidden_backends import SGLangHidden, TransformersHidden
+
+    h = params.data["hidden"]
+    if h["backend"] == "sglang":
+        return SGLangHidden(h, target.config.hidden_size, len(ids))
+    threads = threads or h["threads"]
+    return TransformersHidden(target.spec, h["device"], h["compute_dtype"], ids, threads)
+
+
+def run_samples(backend, samples: list[dict], batch_tokens: int) -> list[dict]:
+    """The samples with their `aux` and `last` states filled in (same order)."""
+    groups = length_batches([len(s["input_ids"]) for s in samples], batch_tokens)
+    results = backend.run([[samples[i]["input_ids"] for i in g] for g in groups])
+    out: list[dict | None] = [None] * len(samples)
+    for group, states in zip(groups, results, strict=True):
+        for i, (aux, last) in zip(group, states, strict=True):
+            out[i] = {**samples[i], "aux": aux, "last": last}
+    return out  # type: ignore[return-value]
+
+
+def _storage(params: Params) -> Storage:
+    h = params.data["hidden"]
+    return Storage(h["dtype"], h["compress"], h["fp8"])
+
+
+def _responses(keys: Keys, dataset: str) -> tuple[Path, list[dict]]:
+    path = keys.path("responses", dataset)
+    if not path.exists():
+        raise EagletError(f"hidden {dataset}: responses not built yet: {path}")
+    return path, list(read_jsonl(path))
+
+
+def build(
+    params: Params,
+    dataset: str,
+    out: Path | None = None,
+    threads: int | None = None,
+    quiet: bool = False,
+) -> Path:
+    """Write the dataset's hidden-states directory and its sidecar; return the directory."""
+    t0 = time.monotonic()
+    keys = Keys(params)
+    prov = keys.provenance("hidden", dataset)
+    out = Path(out) if out else keys.path("hidden", dataset)
+    h = params.data["hidden"]
+    source, records = _responses(keys, dataset)
+    t_load = time.monotonic()
+    target = Target(params, keys)
+    load_s = time.monotonic() - t_load
+    ids = layer_ids(params, target.config.num_hidden_layers)
+    samples, stats = sequences(records, target, source)
+    if not samples:
+        raise EagletError(f"{source}: no response gives a training sequence ({stats})")
+    storage = _storage(params)
+    n_aux, hidden = len(ids), target.config.hidden_size
+    plan = plan_shards(samples, storage.token_bytes(n_aux, hidden), h["shard_mb"] * 2**20)
+    digest = [prov["key"], storage.to_dict(), ids]
+    digest += [[(samples[i]["id"], samples[i]["response_sha256"]) for i in p] for p in plan]
+    partial = PartialDir(out, hashlib.sha256(dumps(digest).encode()).hexdigest())
+    if partial.done:
+        print(
+            f"hidden {dataset}: resuming: {len(partial.done)} of {len(plan)} shards complete",
+            file=sys.stderr,
+        )
+    t_load = time.monotonic()
+    backend = make_backend(params, target, ids, threads)
+    load_s += time.monotonic() - t_load  # tokenizer and model: once per run
+    progress = Progress(f"hidden {dataset}", len(samples), quiet=quiet, unit="seq")
+    t_run = time.monotonic()
+    try:
+        for index, shard in enumerate(plan):
+            part = [samples[i] for i in shard]
+            if index not in partial.done:
+                partial.write_shard(index, run_samples(backend, part, h["batch_tokens"]), storage)
+            progress.update(len(part), tokens=sum(len(s["input_ids"]) for s in part))
+    finally:
+        backend.close()
+    progress.close()
+    run_s = time.monotonic() - t_run
+    shards = [partial.done[i] for i in range(len(plan))]
+    for entry in shards:
+        entry.pop("index")
+    stats.update(_disk_stats(shards, stats["tokens"], n_aux, hidden, storage))
+    manifest = {
+        "format": FORMAT,
+        "dataset": dataset,
+        "key": prov["key"],
+        "responses_key": prov["upstream"]["responses"],
+        "backend": h["backend"],
+        "target": target.identity,
+        "aux_layer_ids": {
+            "sglang": ids,
+            "vllm": [i + 1 for i in ids],
+            "hf_hidden_states_index": [i + 1 for i in ids],
+        },
+        "last": {"what": "final norm output (lm_head input)", "hf_hidden_states_index": -1},
+        "dtype": storage.dtype,
+        "compute_dtype": str(backend.dtype).removeprefix("torch."),
+        "storage": {**storage.to_dict(), "shard_mb": h["shard_mb"]},
+        "shards": shards,
+        "samples": [
+            {
+                "id": samples[i]["id"],
+                "response_sha256": samples[i]["response_sha256"],
+                "shard": shards[n]["name"],
+                "tokens": len(samples[i]["input_ids"]),
+                "loss_tokens": sum(samples[i]["loss_mask"]),
+                "prompt_tokens": samples[i]["prompt_tokens"],
+            }
+            for n, shard in enumerate(plan)
+            for i in shard
+        ],
+        "stats": stats,
+    }
+    timing = {
+        "load_s": round(load_s, 3),
+        "run_s": round(run_s, 3),
+        "elapsed_s": round(time.monotonic() - t0, 3),
+        "tokens_per_s": round(stats["tokens"] / max(run_s, 1e-9), 1),
+    }
+    write_json(sidecar_of(out), {"provenance": prov, "stats": {**stats, **timing}})
+    return partial.finish(manifest)
+
+
+def _disk_stats(shards: list[dict], tokens: int, n_aux: int, hidden: int, storage: Storage):
+    size = sum(s["bytes"] for s in shards)
+    state = (n_aux + 1) * hidden * storage.itemsize
+    return {
+        "shards": len(shards),
+        "bytes": size,
+        "bytes_per_token": round(size / tokens, 2),
+        "state_bytes_per_token": state,  # (K+1)·H·itemsize, before compression
+        "compression_ratio": round(size / tokens / state, 4),
+    }
+
+
+def _relative_error(stored: torch.Tensor, fresh: torch.Tensor) -> float:
+    """Largest over rows of ||stored - fresh|| / ||fresh|| (rows = tokens, and layers for aux)."""
+    a, b = stored.float().flatten(0, -2), fresh.float().flatten(0, -2)
+    err = (a - b).norm(dim=-1) / b.norm(dim=-1).clamp_min(1e-12)
+    return float(err.nan_to_num(float("inf")).max())
+
+
+def verify(
+    params: Params,
+    dataset: str,
+    path: Path | None = None,
+    samples: int | None = None,
+    threads: int | None = None,
+) -> dict:
+    """Re-run the target on a sample of records and compare with the stored states.
+
+    Also checks every shard's SHA-256 and that the tokens and masks follow from the responses.
+    Raises EagletError naming what differs; returns a report otherwise.
+    """
+    keys = Keys(params)
+    path = Path(path) if path else keys.path("hidden", dataset)
+    reader = HiddenReader(path)
+    m = reader.manifest
+    problems = reader.check_shards()
+    source, records = _responses(keys, dataset)
+    if m["responses_key"] != keys.key("responses", dataset):
+        problems.append(f"made from responses {m['responses_key']}, current are {source.name}")
+    by_id = {r["id"]: r for r in records}
+    meta = {s["id"]: s for s in m["samples"]}
+    target = Target(params, keys)
+    n = samples or params.data["hidden"]["verify_samples"]
+    picked = sorted(random.Random(0).sample(reader.ids, min(n, len(reader))))
+    fresh = []
+    for sid in picked:
+        rec = by_id.get(sid)
+        sample = sequence(rec, target)[0] if rec else None
+        if sample is None:
+            problems.append(f"sample {sid}: no usable response with this id")
+        else:
+            fresh.append(sample)
+    ids = m["aux_layer_ids"]["sglang"]
+    backend = make_backend(params, target, ids, threads)
+    try:
+        fresh = run_samples(backend, fresh, batch_tokens=1)  # each alone: no batch effects
+    finally:
+        backend.close()
+    storage = reader.storage
+    tolerance = VERIFY_TOLERANCE["fp8" if storage.fp8 else storage.dtype]
+    worst = 0.0
+    for f in fresh:
+        sid = f["id"]
+        try:
+            stored = reader.get(sid)
+        except EagletError as e:
+            problems.append(str(e))
+            continue
+        if meta[sid]["response_sha256"] != f["response_sha256"]:
+            problems.append(f"sample {sid}: response changed since the states were made")
+        if stored["input_ids"].tolist() != f["input_ids"]:
+            problems.append(f"sample {sid}: input_ids differ from the response's tokens")
+            continue
+        if stored["loss_mask"].tolist() != f["loss_mask"]:
+            problems.append(f"sample {sid}: loss_mask differs from the response's turn")
+        T = len(f["input_ids"])
+        enc = encode(f, storage)
+        expect = decode(enc.__getitem__, T, len(ids), reader.hidden_size, storage)
+        for name in ("aux", "last"):
+            err = _relative_error(stored[name], expect[name])
+            worst = max(worst, err)
+            if not err <= tolerance:
+                problems.append(f"sample {sid}: {name} relative error {err:.3g} > {tolerance}")
+    report = {
+        "path": str(path),
+        "samples_checked": len(fresh),
+        "shards_checked": len(m["shards"]),
+        "max_relative_error": worst,
+        "tolerance": tolerance,
+        "ok": not problems,
+    }
+    if problems:
+        more = f" (+{len(problems) - 3} more)" if len(problems) > 3 else ""
+        raise EagletError(f"{path}: verify failed: {'; '.join(problems[:3])}{more}")
+    return report
