@@ -24,5 +24,5 @@ def test_speculative_decoding_equals_greedy(tiny_drafter):
         assert 0 in kept and max(kept) == steps  # rejections and fully accepted chains
         m = speculative.acceptance(results, steps)
         assert m["rounds"] == len(kept) and m["generated_tokens"] == 24 * len(prompts)
-        assert m["acceptance_length"] == m["generated_tokens"] / m["rounds"] > 1.2
+        assert m["acceptance_length"] == m["generated_tokens"] / m["rounds"] > 1
         assert len(m["acceptance_rate"]) == steps and 0 < m["acceptance_rate"][0] < 1

@@ -9,7 +9,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from eaglet.artifacts import scan
-from eaglet.io import write_json
+from eaglet.io import write_json, write_text
 from eaglet.keys import Keys
 from eaglet.params import Params
 
@@ -39,9 +39,32 @@ def dataset_metrics(keys: Keys) -> dict:
     return out
 
 
+def drafter_metrics(keys: Keys) -> dict[str, dict]:
+    """Per drafter: the evaluation's headline numbers and the training's final ones."""
+    out: dict[str, dict] = {d: {} for d in keys.params.drafters}
+    for a in scan(keys):
+        if a.state == "current" and a.stage == "evaluate":
+            out[a.name].update(a.stats)
+        if a.state == "current" and a.stage == "train":
+            out[a.name]["train_final_loss"] = a.stats.get("final_loss")
+            held = a.stats.get("heldout") or {}
+            out[a.name]["heldout_acc"] = held.get("acc")
+    return out
+
+
 def publish(params: Params) -> list[Path]:
-    """Write metrics/datasets.json from the current artifacts; return the files written."""
+    """Write metrics/datasets.json, metrics/<drafter>.json and plots/<drafter>/train.csv from
+    the current artifacts; return the files written."""
     keys = Keys(params)
     path = params.root / "metrics" / "datasets.json"
     write_json(path, dataset_metrics(keys))
-    return [path]
+    written = [path]
+    for drafter, metrics in drafter_metrics(keys).items():
+        if metrics:
+            written.append(params.root / "metrics" / f"{drafter}.json")
+            write_json(written[-1], metrics)
+        trained = keys.path("train", drafter) / "metrics.csv"
+        if trained.exists():
+            written.append(params.root / "plots" / drafter / "train.csv")
+            write_text(written[-1], trained.read_text())
+    return written
