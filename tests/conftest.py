@@ -42,7 +42,15 @@ def tiny_params(**generation) -> dict:
             "sg": {"path": "data/demo/sharegpt.jsonl", "format": "sharegpt", "max_samples": 6},
             "dolly": {"path": "data/demo/dolly.jsonl", "format": "dolly", "max_samples": 4},
         },
-        "drafters": {"d": {"datasets": ["sg", "dolly"], "draft_vocab_size": 512}},
+        "drafters": {
+            "d": {
+                "datasets": ["sg", "dolly"],
+                "draft_vocab_size": 512,
+                "heldout_fraction": 0.3,
+                "train": {"ttt_length": 2, "epochs": 2, "batch_size": 2, "lr": 1e-3},
+                "evaluate": {"num_steps": [2], "prompts": 2, "max_new_tokens": 6},
+            }
+        },
     }
 
 

@@ -7,6 +7,7 @@ eaglet package on PYTHONPATH, so code edits can be made to it without touching t
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
@@ -19,6 +20,8 @@ from .conftest import ROOT, tiny_params, write_params
 
 pytestmark = pytest.mark.slow
 
+# the jobs of the drafter `d` downstream of any dataset change
+DRAFTER = {"vocab": 1, "train": 1, "evaluate": 1, "export": 2}
 COPY = ["Snakefile", "rules", "profiles", "envs", "dvc.yaml", "src", "data/demo"]
 
 
@@ -80,6 +83,9 @@ def test_built_graph_has_nothing_to_do_and_published_metrics(repo):
     assert planned(repo) == {}
     metrics = (repo / "metrics" / "datasets.json").read_text()
     assert '"responses": 3' in metrics
+    drafter = json.loads((repo / "metrics" / "d.json").read_text())
+    assert drafter["acceptance_length"] >= 1 and drafter["greedy_equal_num_steps_2"] is True
+    assert (repo / "plots" / "d" / "train.csv").read_text().startswith("step,epoch,lr,loss")
 
 
 def test_one_dataset_param_reruns_only_its_chain_and_reverting_reruns_nothing(repo):
@@ -90,7 +96,7 @@ def test_one_dataset_param_reruns_only_its_chain_and_reverting_reruns_nothing(re
     write_params(repo, data)
     try:
         plan = smk(repo, "-n")
-        assert planned(repo) == {"responses": 1, "hidden": 1, "all": 1}
+        assert planned(repo) == {"responses": 1, "hidden": 1, **DRAFTER, "all": 1}
         assert (
             "data/responses/dolly/" in plan
             and "data/responses/sg/" not in plan.split("rule all")[0]
@@ -112,11 +118,13 @@ def test_comment_only_edit_reruns_nothing_and_real_edit_reruns_downstream(repo):
     try:
         assert planned(repo) == {}
         gen.write_text(old + "\n\nRETRY_NOTE = 'a real change'\n")
-        assert planned(repo) == {"responses": 2, "hidden": 2, "all": 1}  # prompts: no generate
+        # prompts do not import generate
+        assert planned(repo) == {"responses": 2, "hidden": 2, **DRAFTER, "all": 1}
         readers = repo / "src" / "eaglet" / "readers.py"
         old_readers = _edit(readers, "{old}\n\nUNUSED = 1\n")
         try:
-            assert planned(repo) == {"prompts": 2, "responses": 2, "hidden": 2, "all": 1}
+            expected = {"prompts": 2, "responses": 2, "hidden": 2, **DRAFTER, "all": 1}
+            assert planned(repo) == expected
         finally:
             readers.write_text(old_readers)
     finally:
@@ -129,7 +137,7 @@ def test_fresh_clone_plus_dvc_pull_is_up_to_date(repo, tmp_path):
     dvc = [sys.executable, "-m", "dvc"]
     run(repo, *dvc, "remote", "add", "-f", "-d", "store", str(remote))
     eaglet(repo, "gc")
-    run(repo, *dvc, "add", "-q", "data/prompts", "data/responses", "data/hidden")
+    run(repo, *dvc, "add", "-q", "data/prompts", "data/responses", "data/hidden", "models")
     run(repo, *dvc, "push", "-q")
     git(repo, "add", "-A")
     git(repo, "commit", "-qm", "store artifacts")
@@ -146,7 +154,8 @@ def test_gc_keeps_current_and_status_flags_other_code(repo):
     old = _edit(gen, "{old}\n\nCHANGED = True\n")
     try:
         out = eaglet(repo, "status")
-        assert out.count("missing") == 4  # the new code's responses (and hidden) are not built
+        # the new code's responses, hidden states and everything of the drafter are not built
+        assert out.count("missing") == 4 + 5
         listing = eaglet(repo, "gc", "--dry-run")
         assert listing.count("other-code") == 2 and "data/responses/" in listing
     finally:

@@ -20,6 +20,7 @@ import torch
 from eaglet import drafter_data, speculative, train
 from eaglet.chat import stop_ids
 from eaglet.drafter import Drafter
+from eaglet.errors import EagletError
 from eaglet.io import atomic_path, write_json
 from eaglet.keys import Keys, sidecar_of
 from eaglet.params import Params
@@ -167,6 +168,11 @@ def build(
         p = prompt_of(readers[i].get(sid))
         if p is not None and len(prompts) < cfg["prompts"]:
             prompts.append(p)
+    if not prompts:
+        raise EagletError(
+            f"drafters.{drafter}: no held-out prompts to decode (heldout_fraction "
+            f"{d['heldout_fraction']} of {sum(len(r) for r in readers)} samples)"
+        )
     t0 = time.monotonic()
     metrics = {
         "drafter": drafter,
@@ -180,13 +186,17 @@ def build(
     with atomic_path(out, directory=True) as tmp:
         write_json(tmp / "metrics.json", metrics)
         plot(metrics, rows, tmp)
-        write_json(sidecar_of(out), {"provenance": prov, "stats": summary(metrics)})
+        write_json(
+            sidecar_of(out), {"provenance": prov, "stats": summary(metrics, cfg["num_steps"])}
+        )
     return out
 
 
-def summary(metrics: dict) -> dict:
-    """The headline numbers: acceptance length and greedy equality per num_steps."""
-    out = {"prompts": metrics["prompts"]}
+def summary(metrics: dict, num_steps: list[int]) -> dict:
+    """The headline numbers: acceptance length (at the fewest steps, and per num_steps) and
+    greedy equality."""
+    first = metrics["speculative"][f"num_steps_{min(num_steps)}"]
+    out = {"prompts": metrics["prompts"], "acceptance_length": first["acceptance_length"]}
     for name, m in metrics["speculative"].items():
         out[f"acceptance_length_{name}"] = m["acceptance_length"]
         out[f"greedy_equal_{name}"] = m["greedy_equal"]

@@ -151,6 +151,7 @@ def fit(
     checkpoint_every: int = 100,
     device: str = "auto",
     quiet: bool = False,
+    head_init=None,
 ) -> dict:
     """Train a drafter on `readers` with hyperparameters `hp` and write it to `out` (a folder:
     model.safetensors, config.json, metrics.csv, heldout.csv). Resumes from `out`'s work folder."""
@@ -174,6 +175,9 @@ def fit(
     model.embed_tokens.weight.copy_(embed)
     model.d2t.copy_(d2t)
     model.t2d.copy_(t2d)
+    if head_init is not None:
+        with torch.no_grad():
+            model.lm_head.weight.copy_(head_init)
     model.to(run.device)
     lm_head = lm_head.to(run.device, torch.float32)
     trainable = [p for p in model.parameters() if p.requires_grad]

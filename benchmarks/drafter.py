@@ -1,0 +1,127 @@
+"""Claims: (1) drafter training throughput on CPU, bf16 autocast vs fp32, side by side;
+(2) the acceptance length the demo reaches after a fixed budget of optimizer steps.
+
+On the demo drafter of params.yaml (SmolLM2 target, its demo datasets' stored hidden states:
+build them first, e.g. `make demo`), with the draft vocab picked from the same data:
+  1. `train.fit` for --steps steps in fp32 and in bf16, alternately, --runs times each:
+     assistant tokens per second (best and median);
+  2. a bf16 drafter trained for --budget steps, then real speculative decoding (greedy, chain,
+     3 and 7 steps) on --prompts held-out prompts: acceptance length, greedy equality, and the
+     offline estimate from the held-out hidden states.
+CPU pressure is shown next to the numbers.
+
+    .venv/bin/python benchmarks/drafter.py [--steps 10] [--runs 2] [--budget 600] [--prompts 16]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "src"))
+
+from eaglet import drafter_data, evaluate, speculative, train, vocab  # noqa: E402
+from eaglet.chat import stop_ids  # noqa: E402
+from eaglet.drafter import DrafterConfig  # noqa: E402
+from eaglet.keys import Keys  # noqa: E402
+from eaglet.params import load  # noqa: E402
+from eaglet.target import load_config, load_head, load_model, load_tokenizer, resolve  # noqa: E402
+
+
+def pressure() -> str:
+    try:
+        return Path("/proc/pressure/cpu").read_text().splitlines()[0]
+    except OSError:
+        return "n/a"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--params", default=str(ROOT / "params.yaml"))
+    ap.add_argument("--drafter", default="demo")
+    ap.add_argument("--steps", type=int, default=10, help="steps per throughput run")
+    ap.add_argument("--runs", type=int, default=2)
+    ap.add_argument("--budget", type=int, default=600, help="steps before measuring acceptance")
+    ap.add_argument("--prompts", type=int, default=16)
+    ap.add_argument("--threads", type=int, default=2)
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    params = load(args.params)
+    readers = drafter_data.open_readers(params, args.drafter)
+    d = params.drafter(args.drafter)
+    prov = Keys(params).provenance("train", args.drafter)
+    hp = prov["params"]["train"] | {"heldout_fraction": d["heldout_fraction"]}
+    t = params.target
+    spec = resolve(t["model"], t.get("revision"), params.root)
+    size = d["draft_vocab_size"]
+    d2t, t2d = vocab.select(
+        vocab.count_tokens(readers, readers[0].manifest["target"]["vocab_size"]), size
+    )
+    cfg = DrafterConfig.from_target(
+        load_config(spec), size, readers[0].manifest["aux_layer_ids"]["sglang"]
+    )
+    embed, lm_head = load_head(spec)
+    print(f"# cpu pressure before: {pressure()}")
+
+    with tempfile.TemporaryDirectory() as tmp:
+
+        def fit(name: str, **over) -> dict:
+            return train.fit(
+                readers,
+                cfg,
+                embed,
+                lm_head,
+                d2t,
+                t2d,
+                hp | over,
+                Path(tmp) / name,
+                10**9,
+                quiet=True,
+            )
+
+        rates: dict[str, list[float]] = {"float32": [], "bfloat16": []}
+        for i in range(args.runs):
+            for dtype in rates:
+                st = fit(f"{dtype}-{i}", dtype=dtype, max_steps=args.steps, epochs=10**6)
+                rates[dtype].append(st["tokens_per_s"])
+        for dtype, r in rates.items():
+            print(f"train {dtype:8s}: best {max(r):7.1f} tok/s, median {statistics.median(r):7.1f}")
+        ratio = max(rates["bfloat16"]) / max(rates["float32"])
+        print(f"train bf16 / fp32 throughput: {ratio:.2f}x  (cpu {pressure()})")
+
+        st = fit("budget", dtype="bfloat16", max_steps=args.budget)
+        print(
+            f"trained {st['steps']} steps in {st['elapsed_s']:.0f} s, held-out acc per TTT step "
+            f"{[round(a, 3) for a in st['heldout']['acc']]}"
+        )
+        model = train.load(Path(tmp) / "budget")
+    target_model = load_model(spec, "cpu", "float32")
+    stop = set(stop_ids(load_tokenizer(spec), target_model))
+    _, held = drafter_data.split(readers, d["heldout_fraction"])
+    prompts = [p for i, s in held if (p := evaluate.prompt_of(readers[i].get(s)))][: args.prompts]
+    target = speculative.Target(target_model, list(model.cfg.aux_layer_ids))
+    decode = {"num_steps": [3, 7], "max_new_tokens": d["evaluate"]["max_new_tokens"]}
+    real = evaluate.decode_all(target, model, prompts, decode, stop, quiet=True)
+    est = evaluate.offline(model, readers, held, target_model.lm_head.weight, [3, 7])
+    for k in ("num_steps_3", "num_steps_7"):
+        m = real[k]
+        offline = est[k]["acceptance_length"]
+        print(
+            f"{k}: acceptance length {m['acceptance_length']:.3f} over {len(prompts)} prompts "
+            f"(offline estimate {offline:.3f}), greedy equal {m['greedy_equal']}, "
+            f"{m['tokens_per_s']:.1f} tok/s vs {m['greedy_tokens_per_s']:.1f} greedy "
+            f"({m['speedup']:.2f}x)"
+        )
+    print(json.dumps({"throughput": rates, "speculative": real, "offline": est}))
+    print(f"# cpu pressure after: {pressure()}")
+
+
+if __name__ == "__main__":
+    main()
