@@ -126,8 +126,8 @@ def test_two_ttt_steps_against_a_hand_computed_loss():
     loss_mask = torch.tensor([[False, True, True, True, True, True]])
 
     # the library: target distribution, masks, per-step sums, weighted normalized loss
-    p, argmax = train.targets(last, lm_head, model.t2d)
-    masks = train.step_masks(loss_mask, argmax, model.t2d, 2)
+    p, in_vocab = train.TargetHead(lm_head, model.t2d)(last, train.shift(loss_mask, 1))
+    masks = train.step_masks(loss_mask, in_vocab, 2)
     ce, _ = train.ttt_sums(model(aux, ids, 2, masks), p, masks)
     counts = torch.stack([m.sum() for m in masks]).float()
     got = (torch.tensor([1.0, 0.8]) * ce / counts).sum()

@@ -49,15 +49,38 @@ def shift(x: Tensor, n: int) -> Tensor:
     return torch.cat([x[:, n:], pad], dim=1)
 
 
-def targets(last: Tensor, lm_head: Tensor, t2d: Tensor) -> tuple[Tensor, Tensor]:
-    """(p [B, T, Vd]: the target's softmax over the draft vocab, argmax [B, T]: target ids)."""
-    logits = last.float() @ lm_head.float().T
-    return torch.softmax(logits[..., t2d], dim=-1), logits.argmax(-1)
+class TargetHead:
+    """The target's frozen lm_head, split into the draft-vocab rows (fp32, for the target
+    distribution) and the others (in `dtype`, only to tell whether the argmax is a draft id)."""
+
+    def __init__(self, lm_head: Tensor, t2d: Tensor, dtype: torch.dtype = torch.float32):
+        self.draft = lm_head[t2d].float()
+        self.rest = lm_head[~t2d].to(dtype)
+
+    def to(self, device) -> TargetHead:
+        self.draft, self.rest = self.draft.to(device), self.rest.to(device)
+        return self
+
+    def __call__(self, last: Tensor, need: Tensor) -> tuple[Tensor, Tensor]:
+        """At the positions of `need` [B, T]: p [B, T, Vd], the target's softmax over the draft
+        vocab, and in_vocab [B, T], whether its argmax over the full vocab is a draft id."""
+        rows = last[need].float()
+        draft = rows @ self.draft.T
+        p = torch.zeros(*need.shape, draft.shape[-1], device=last.device)
+        p[need] = torch.softmax(draft, dim=-1)
+        in_vocab = torch.zeros_like(need)
+        best = draft.max(-1).values
+        if self.rest.numel():
+            best_rest = (rows.to(self.rest.dtype) @ self.rest.T).max(-1).values.float()
+            in_vocab[need] = best >= best_rest
+        else:
+            in_vocab[need] = True
+        return p, in_vocab
 
 
-def step_masks(loss_mask: Tensor, argmax: Tensor, t2d: Tensor, steps: int) -> list[Tensor]:
-    """Where TTT step k is trained: token t+k+2 is an assistant token the draft vocab holds."""
-    in_vocab = t2d[argmax]
+def step_masks(loss_mask: Tensor, in_vocab: Tensor, steps: int) -> list[Tensor]:
+    """Where TTT step k is trained: token t+k+2 is an assistant token and the target's argmax
+    for it (at t+k+1) is in the draft vocab."""
     return [shift(loss_mask, k + 2) & shift(in_vocab, k + 1) for k in range(steps)]
 
 
@@ -114,15 +137,16 @@ class Run:
             dist.destroy_process_group()
 
 
-def prepare(batch: dict, lm_head: Tensor, t2d: Tensor, steps: int, device) -> dict:
+def prepare(batch: dict, head: TargetHead, steps: int, device) -> dict:
     """Move a batch to the device and add the target distribution and the per-step masks."""
     batch = {k: v.to(device) for k, v in batch.items()}
-    p, argmax = targets(batch["last"], lm_head, t2d)
-    batch.update(p=p, argmax=argmax, masks=step_masks(batch["loss_mask"], argmax, t2d, steps))
+    lm = batch["loss_mask"]
+    p, in_vocab = head(batch["last"], shift(lm, 1))  # p[t] is learnt where t+1 is an answer
+    batch.update(p=p, masks=step_masks(lm, in_vocab, steps))
     return batch
 
 
-def heldout(model: Drafter, readers, refs, hp: dict, lm_head: Tensor, run: Run) -> dict:
+def heldout(model: Drafter, readers, refs, hp: dict, head: TargetHead, run: Run) -> dict:
     """Mean per-step loss and top-1 accuracy on held-out samples."""
     steps = hp["ttt_length"]
     ce, hits, n = torch.zeros(steps), torch.zeros(steps), torch.zeros(steps)
@@ -130,7 +154,7 @@ def heldout(model: Drafter, readers, refs, hp: dict, lm_head: Tensor, run: Run) 
     with torch.no_grad(), run.autocast():
         for i in range(0, len(refs), bs):
             batch = drafter_data.load(readers, refs[i : i + bs], hp["max_length"])
-            b = prepare(batch, lm_head, model.t2d, steps, run.device)
+            b = prepare(batch, head, steps, run.device)
             logits = model(b["aux"], b["input_ids"], steps, b["masks"])
             c, h = ttt_sums(logits, b["p"], b["masks"])
             ce, hits = ce + c.cpu(), hits + h.cpu()
@@ -151,7 +175,6 @@ def fit(
     checkpoint_every: int = 100,
     device: str = "auto",
     quiet: bool = False,
-    head_init=None,
 ) -> dict:
     """Train a drafter on `readers` with hyperparameters `hp` and write it to `out` (a folder:
     model.safetensors, config.json, metrics.csv, heldout.csv). Resumes from `out`'s work folder."""
@@ -175,11 +198,8 @@ def fit(
     model.embed_tokens.weight.copy_(embed)
     model.d2t.copy_(d2t)
     model.t2d.copy_(t2d)
-    if head_init is not None:
-        with torch.no_grad():
-            model.lm_head.weight.copy_(head_init)
     model.to(run.device)
-    lm_head = lm_head.to(run.device, torch.float32)
+    head = TargetHead(lm_head, t2d, getattr(torch, run.dtype)).to(run.device)
     trainable = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(
         trainable, lr=hp["lr"], betas=(0.9, 0.95), weight_decay=hp["weight_decay"]
@@ -243,8 +263,7 @@ def fit(
         micro = [
             prepare(
                 drafter_data.load(readers, mine[i : i + bs], hp["max_length"]),
-                lm_head,
-                model.t2d,
+                head,
                 steps,
                 run.device,
             )
@@ -284,7 +303,7 @@ def fit(
         rows.append(row)
         progress.update(1, tokens=int(run.sum(torch.tensor(tokens))))
         if (step + 1) % per_epoch == 0 and held_refs and run.rank == 0:
-            h = heldout(model, readers, held_refs, hp, lm_head, run)
+            h = heldout(model, readers, held_refs, hp, head, run)
             held_rows.append(
                 {"step": step + 1, "epoch": epoch}
                 | {f"loss_{k}": v for k, v in enumerate(h["loss"])}
@@ -296,7 +315,7 @@ def fit(
     elapsed = time.monotonic() - t0
     final = None
     if held_refs and run.rank == 0:
-        final = heldout(model, readers, held_refs, hp, lm_head, run)
+        final = heldout(model, readers, held_refs, hp, head, run)
     stats = {
         "steps": total,
         "resumed_from": start,
