@@ -8,7 +8,7 @@ import json
 import random
 from pathlib import Path
 
-N = 360
+N = 720
 
 
 def _words(text: str) -> list[str]:
@@ -20,18 +20,29 @@ TOPICS = _words(
     "the internet, volcanoes, democracy, electricity, the moon, climate change, "
     "the human heart, rainbows, earthquakes, bees, compound interest, machine learning, "
     "the stock market, sleep, exercise, the Roman Empire, oceans, solar panels, batteries, "
-    "friendship, music, coffee, chess"
+    "friendship, music, coffee, chess, the immune system, wind energy, the printing press, "
+    "glaciers, honey, tides, bread baking, the Olympic Games, dinosaurs, the piano, "
+    "cloud computing, the French Revolution, coral reefs, bicycles, elections, antibiotics, "
+    "the Milky Way, earth's seasons, tea, languages, maps, passwords, rivers, deserts, "
+    "the human brain, airplanes"
 )
 THINGS = _words(
     "the sea, autumn leaves, a rainy morning, a city at night, an old dog, the stars, "
     "a mountain lake, a cup of tea, a quiet library, a summer garden, the first snow, "
-    "a train journey, a lighthouse, a busy market, a candle"
+    "a train journey, a lighthouse, a busy market, a candle, a snowy forest, a fishing boat, "
+    "a birthday party, an empty beach, a thunderstorm, a mountain village, a red kite, "
+    "a sleeping cat, a small bakery, a winter night, a field of sunflowers, an old bridge, "
+    "a quiet river, a desert at dawn, a school playground"
 )
 ACTIVITIES = _words(
     "staying healthy, saving money, learning a language, studying for exams, "
     "sleeping better, cooking at home, running a first marathon, working from home, "
     "keeping a plant alive, travelling on a budget, writing an essay, public speaking, "
-    "reducing stress, making friends in a new city, staying focused"
+    "reducing stress, making friends in a new city, staying focused, planning a wedding, "
+    "starting a garden, learning to swim, training a puppy, moving house, "
+    "preparing for a job interview, drinking more water, reading more books, "
+    "waking up early, learning to draw, keeping a journal, cycling to work, "
+    "hosting a dinner party, learning the guitar, cleaning the kitchen"
 )
 TASKS = _words(
     "checks whether a number is prime, reverses a string, "
@@ -39,7 +50,11 @@ TASKS = _words(
     "computes the factorial of n, sums the even numbers in a list, "
     "checks whether a word is a palindrome, converts Celsius to Fahrenheit, "
     "removes duplicates from a list, returns the n-th Fibonacci number, "
-    "sorts a list of names alphabetically, counts the words in a sentence"
+    "sorts a list of names alphabetically, counts the words in a sentence, "
+    "returns the average of a list of numbers, checks whether two words are anagrams, "
+    "capitalizes every word in a sentence, finds the smallest number in a list, "
+    "merges two sorted lists, converts a number to binary, counts how often each letter "
+    "appears, returns the longest word in a sentence"
 )
 PAIRS = [
     p.split(" / ")
@@ -49,7 +64,10 @@ PAIRS = [
         "a star / a planet"
     )
 ]
-JOBS = ["nurse", "teacher", "baker", "pilot", "farmer", "software engineer", "librarian", "chef"]
+JOBS = _words(
+    "nurse, teacher, baker, pilot, farmer, software engineer, librarian, chef, firefighter, "
+    "doctor, gardener, journalist, photographer, mechanic, architect, musician"
+)
 SENTENCES = _words(
     "Where is the train station?, I would like a cup of coffee., The weather is nice today., "
     "Thank you for your help., What time is it?, I love reading books."

@@ -18,6 +18,7 @@ rerun resumes there. Under `torchrun` it runs DDP (gloo on CPU, nccl on GPU).
 from __future__ import annotations
 
 import csv
+import functools
 import io
 import math
 import os
@@ -247,7 +248,9 @@ def fit(
         with atomic_path(ckpt) as tmp:
             torch.save(state, tmp)
 
+    @functools.lru_cache(maxsize=1)
     def epoch_order(epoch: int) -> list:
+        """The epoch's sample order: a function of seed and epoch only, so a resume sees it."""
         order = list(train_refs)
         random.Random(hp["seed"] * 100_003 + epoch).shuffle(order)
         return order
