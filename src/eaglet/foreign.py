@@ -140,28 +140,23 @@ def import_file(params: Params, dataset: str, path: Path) -> dict:
     schemas: Counter = Counter()
     store = Store(store_path(params.root))
     try:
-        store.db.execute("BEGIN IMMEDIATE")
-        for line, row, error in iter_rows(path):
-            try:
-                if error is not None:
-                    raise BadRow(error)
-                schema, prompt, result = normalize(row, prompts, count)
-            except BadRow as e:
-                raise EagletError(f"{path}:{line}: {e}") from None
-            key = j.keyfn(prompt)
-            if not store.get_many([key]):
-                summary["new"] += 1
-            store.put(key, j.keyfn.backend, result)
-            schemas[schema] += 1
-            summary["records"] += 1
-            summary["in_dataset"] += key in keys_of_dataset
-            summary["completion_tokens"] += result["completion_tokens"]
-            summary["cost"] += result["cost"] or 0.0
-        store.db.execute("COMMIT")
-    except BaseException:
-        if store.db.in_transaction:
-            store.db.execute("ROLLBACK")
-        raise
+        with store.transaction():
+            for line, row, error in iter_rows(path):
+                try:
+                    if error is not None:
+                        raise BadRow(error)
+                    schema, prompt, result = normalize(row, prompts, count)
+                except BadRow as e:
+                    raise EagletError(f"{path}:{line}: {e}") from None
+                key = j.keyfn(prompt)
+                if not store.get_many([key]):
+                    summary["new"] += 1
+                store.put(key, j.keyfn.backend, result)
+                schemas[schema] += 1
+                summary["records"] += 1
+                summary["in_dataset"] += key in keys_of_dataset
+                summary["completion_tokens"] += result["completion_tokens"]
+                summary["cost"] += result["cost"] or 0.0
     finally:
         store.close()
     if not summary["records"]:

@@ -111,6 +111,8 @@ class Dispatch:
         self.spent = store.totals()  # the project's spend, for the overall budget
         self.new_spend = [0, 0.0]  # this run's answers since `spent` was read
         self.changed = asyncio.Event()
+        self.pending: list[tuple[dict, dict | None]] = []  # outcomes not yet committed
+        self._flush: asyncio.Handle | None = None
         self.abort: Exception | None = None
         self.stopped_by: str | None = None
         self.sent = 0
@@ -157,6 +159,9 @@ class Dispatch:
             for _ in workers:
                 await queue.put(None)
             await asyncio.gather(*workers)
+            if self._flush is not None:
+                self._flush.cancel()
+                self.commit()
         if self.abort is not None:
             raise self.abort
 
@@ -215,12 +220,24 @@ class Dispatch:
                 except Abort as e:
                     self.abort = e
                     results = [None] * len(batch)
-            for req, res in zip(batch, results, strict=True):
-                self.settle(req["key"], res)
-            self.changed.set()
+            self.pending.extend(zip(batch, results, strict=True))
+            if self._flush is None:
+                self._flush = asyncio.get_running_loop().call_soon(self.commit)
+
+    def commit(self) -> None:
+        """Commit every outcome that arrived in this turn of the event loop in one transaction;
+        only then do they count as done."""
+        pending, self.pending, self._flush = self.pending, [], None
+        with self.store.transaction():
+            for req, res in pending:
+                if res is not None:
+                    self.store.put(req["key"], self.job.keyfn.backend, res)
+        for req, res in pending:
+            self.settle(req["key"], res)
+        self.changed.set()
 
     def settle(self, key: str, result: dict | None) -> None:
-        """Commit one outcome, then let the prefix count it at its actual size."""
+        """Count a committed outcome: the prefix now holds its actual size."""
         est_tokens, est_cost = self.inflight.pop(key)
         self.flying = [self.flying[0] - est_tokens, self.flying[1] - est_cost]
         if result is None:  # never sent: the run aborted
@@ -231,7 +248,6 @@ class Dispatch:
                 f"backend '{self.job.backend}' returned no cost but a dollar budget applies "
                 "(set price_per_mtok)"
             )
-        self.store.put(key, self.job.keyfn.backend, result)
         if "error" in result:
             self.progress.update(failed=1)
             return

@@ -12,13 +12,14 @@ An `ok` row is never replaced; a `failed` row is replaced by the next attempt's 
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
 import socket
 import sqlite3
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 from eaglet.io import dumps
@@ -94,6 +95,17 @@ class Store:
 
     def close(self) -> None:
         self.db.close()
+
+    @contextlib.contextmanager
+    def transaction(self) -> Iterator[None]:
+        """One write transaction: all of the block's writes, or none."""
+        self.db.execute("BEGIN IMMEDIATE")
+        try:
+            yield
+        except BaseException:
+            self.db.execute("ROLLBACK")
+            raise
+        self.db.execute("COMMIT")
 
     # ------------------------------------------------------------------ responses
     def get_many(self, keys: Iterable[str]) -> dict[str, dict]:
