@@ -38,3 +38,8 @@ def keyed(stage, name=None):
 def upstream(stage):
     """Input function: the dataset's current `stage` artifact. Keyed, so never stale by mtime."""
     return lambda wc: ancient(keyed(stage, wc.dataset))
+
+
+def remote_backend(dataset):
+    """Whether the dataset's backend is a server (sglang, openai) rather than in-process."""
+    return PARAMS.backend(PARAMS.generation(dataset)["backend"])["kind"] != "transformers"
