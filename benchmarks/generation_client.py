@@ -135,7 +135,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--latency", type=float, default=2.0, help="server latency, seconds")
     ap.add_argument("--rounds", type=int, default=10, help="requests = rounds x concurrency")
-    ap.add_argument("--concurrency", default="64,256")
+    ap.add_argument("--concurrency", default="64,256", help="levels to measure ('' skips)")
     ap.add_argument("--rss", default="10000,100000", help="prompt counts for peak RSS ('' skips)")
     args = ap.parse_args()
     os.environ["BENCH_KEY"] = KEY
@@ -144,11 +144,13 @@ def main() -> None:
         server, url = start_server(args.latency)
         try:
             print(f"server latency {args.latency} s; requests = {args.rounds} x concurrency")
-            print(
-                "                 req/s: eaglet dispatch | stage |  bare   ratio dispatch/ideal"
-                " | stage/ideal | dispatch/bare   CPU ms/req eaglet | bare"
-            )
-            for c in map(int, args.concurrency.split(",")):
+            levels = [int(x) for x in args.concurrency.split(",") if x]
+            if levels:
+                print(
+                    "                 req/s: eaglet dispatch | stage |  bare   ratio "
+                    "dispatch/ideal | stage/ideal | dispatch/bare   CPU ms/req eaglet | bare"
+                )
+            for c in levels:
                 n = args.rounds * c
                 proj = project(base, url, n, c, f"c{c}")
                 t_e, cpu_e, t_d = timed(run_eaglet, proj)
@@ -165,7 +167,7 @@ def main() -> None:
             if args.rss:
                 server, url = start_server(0.0)
                 print("peak RSS of `eaglet generate` (latency 0, concurrency 256):")
-                for n in map(int, args.rss.split(",")):
+                for n in [int(x) for x in args.rss.split(",") if x]:
                     proj = project(base, url, n, 256, f"rss{n}")
                     secs, mib = child_rss(proj)
                     rate = n / secs

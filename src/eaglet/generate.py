@@ -408,7 +408,9 @@ def build(
     return out
 
 
-def _dispatch(params, j: Job, store: Store, misses: int, threads, quiet) -> tuple[int, str | None]:
+def _dispatch(
+    params: Params, j: Job, store: Store, misses: int, threads: int | None, quiet: bool
+) -> tuple[int, str | None]:
     """Run the backend over the misses; return (requests sent, budget that stopped it)."""
     progress = Progress(f"responses {j.dataset}", misses, quiet=quiet)
     store.run_started(j.dataset, j.response_key)
