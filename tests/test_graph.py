@@ -122,6 +122,12 @@ def test_comment_only_edit_reruns_nothing_and_real_edit_reruns_downstream(repo):
     finally:
         gen.write_text(old)
     assert planned(repo) == {}
+    hidden = repo / "src" / "eaglet" / "hidden.py"
+    old_hidden = _edit(hidden, "{old}\n\nUNUSED = 2\n")
+    try:  # a real edit in the hidden-states module: hidden and downstream only
+        assert planned(repo) == {"hidden": 2, "all": 1}
+    finally:
+        hidden.write_text(old_hidden)
 
 
 def test_fresh_clone_plus_dvc_pull_is_up_to_date(repo, tmp_path):
