@@ -34,9 +34,12 @@ from eaglet.params import Params
 from eaglet.progress import Progress
 from eaglet.target import TargetSpec, load_tokenizer, materialize, resolve
 
-# Largest per-token relative error (L2 over a row) that --verify accepts, by storage: the
-# storage's own rounding plus the noise of recomputing a sequence alone instead of in a batch.
+# Largest per-token relative error (L2 over a row) that --verify accepts: the storage's own
+# rounding, or the noise of recomputing a sequence alone instead of in a batch, whichever is
+# larger. Measured on SmolLM2: bf16 compute, batched vs alone, up to 0.026 (fp32: ~1e-6); an
+# off-by-one aux layer is >= 0.42 away, a pre- vs post-norm confusion further.
 VERIFY_TOLERANCE = {"float32": 1e-3, "bfloat16": 2e-2, "fp8": 0.1}
+COMPUTE_NOISE = {"float32": 0.0, "bfloat16": 0.1, "float16": 0.1}
 VOLATILE_CONFIG_KEYS = ("transformers_version", "_name_or_path", "_model_name_or_path", "dtype")
 
 
@@ -355,7 +358,10 @@ def verify(
     finally:
         backend.close()
     storage = reader.storage
-    tolerance = VERIFY_TOLERANCE["fp8" if storage.fp8 else storage.dtype]
+    tolerance = max(
+        VERIFY_TOLERANCE["fp8" if storage.fp8 else storage.dtype],
+        COMPUTE_NOISE.get(m["compute_dtype"], 0.1),
+    )
     worst = 0.0
     for f in fresh:
         sid = f["id"]
