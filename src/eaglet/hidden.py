@@ -120,8 +120,11 @@ def sequence(rec: dict, target: Target) -> tuple[dict | None, dict]:
 
 def sequences(records: list[dict], target: Target, source: Path) -> tuple[list[dict], dict]:
     """Samples of every usable record (record order) and counts of what happened to the rest."""
-    samples, counts = [], Counter()
+    samples, counts, seen = [], Counter(), set()
     for rec in records:
+        if rec.get("id") in seen:
+            raise EagletError(f"{source}: response {rec['id']} appears twice")
+        seen.add(rec.get("id"))
         try:
             sample, info = sequence(rec, target)
         except KeyError as e:
@@ -243,12 +246,15 @@ def build(
     backend = make_backend(params, target, ids, threads)
     load_s += time.monotonic() - t_load  # tokenizer and model: once per run
     progress = Progress(f"hidden {dataset}", len(samples), quiet=quiet, unit="seq")
-    t_run = time.monotonic()
+    t_run, forward_s = time.monotonic(), 0.0
     try:
         for index, shard in enumerate(plan):
             part = [samples[i] for i in shard]
             if index not in partial.done:
-                partial.write_shard(index, run_samples(backend, part, h["batch_tokens"]), storage)
+                t = time.monotonic()
+                states = run_samples(backend, part, h["batch_tokens"])
+                forward_s += time.monotonic() - t
+                partial.write_shard(index, states, storage)
             progress.update(len(part), tokens=sum(len(s["input_ids"]) for s in part))
     finally:
         backend.close()
@@ -292,6 +298,7 @@ def build(
     timing = {
         "load_s": round(load_s, 3),
         "run_s": round(run_s, 3),
+        "forward_s": round(forward_s, 3),
         "elapsed_s": round(time.monotonic() - t0, 3),
         "tokens_per_s": round(stats["tokens"] / max(run_s, 1e-9), 1),
     }
