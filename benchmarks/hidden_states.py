@@ -6,8 +6,9 @@ reference answers, sliced to --tokens tokens each) after real prompt records:
   1. a bare loop: the target's decoder trunk over the same sequences in the same length batches
      (no hooks, no storage), timed alternately with
   2. the stage (`hidden.build`, bf16 storage), timed without its one-off tokenizer and model load;
-then the stage once per storage mode for bytes/token. Best of --runs (and the median
-ratio of adjacent pairs); CPU pressure is shown.
+then the stage once per storage mode for bytes/token. Best of --runs, the median ratio of
+adjacent pairs, and the share of stage time outside the forward pass (the stage's own cost, less
+sensitive to other load on a shared machine); CPU pressure is shown.
 
     .venv/bin/python benchmarks/hidden_states.py [--samples 16] [--tokens 256] [--runs 5]
 """
@@ -152,12 +153,13 @@ def main() -> None:
         h = params.data["hidden"]
         model = load_model(resolve(SMOLLM2), h["device"], h["compute_dtype"])
         tokens = sum(len(s) for s in seqs)
-        bare_s, stage_s, run_s = [], [], []
+        bare_s, stage_s, run_s, extra = [], [], [], []
         for _ in range(args.runs):  # alternate A/B so drifting load hits both alike
             bare_s.append(bare(model, seqs, h["batch_tokens"]))
             st = stage(base, out)
             stage_s.append(st["elapsed_s"] - st["load_s"])
             run_s.append(st["run_s"])
+            extra.append((st["elapsed_s"] - st["load_s"] - st["forward_s"]) / stage_s[-1])
         b, s, r = (min(x) for x in (bare_s, stage_s, run_s))  # best of: least disturbed
         pairs = statistics.median(x / y for x, y in zip(bare_s, stage_s, strict=True))
         print(
@@ -168,6 +170,10 @@ def main() -> None:
         print(f"stage (excl. load)     {tokens / s:8.0f} tok/s   ratio {b / s:.3f} (>= 0.9)")
         print(f"stage forward+write    {tokens / r:8.0f} tok/s   ratio {b / r:.3f}")
         print(f"median ratio of adjacent (bare, stage) pairs: {pairs:.3f}")
+        print(
+            f"stage time outside the forward pass (tokenize, encode, write, hash): "
+            f"{100 * statistics.median(extra):.1f}% (median)"
+        )
         print(f"model load (once)      {first['load_s']:8.2f} s")
         print(f"{'storage':<12} {'B/token':>9} {'x 4·H·2':>8}   (4·H·2 = {4 * 576 * 2} B, bf16)")
         for name, cfg in MODES.items():

@@ -56,3 +56,8 @@ def drafter_upstream(*stages):
 def gpus(device):
     """The `gpu` resource of a rule running on `device`."""
     return int(device.startswith("cuda"))
+
+
+def remote_backend(dataset):
+    """Whether the dataset's backend is a server (sglang, openai) rather than in-process."""
+    return PARAMS.backend(PARAMS.generation(dataset)["backend"])["kind"] != "transformers"

@@ -8,9 +8,11 @@ rule responses:
         "logs/responses/{dataset}/{key}.log",
     benchmark:
         "logs/responses/{dataset}/{key}.benchmark.tsv"
-    threads: 2
+    # a server's client needs one core; `--resources api=N` caps runs against remote APIs
+    threads: lambda wc: 1 if remote_backend(wc.dataset) else 2
     resources:
         mem_mb=4000,
+        api=lambda wc: int(remote_backend(wc.dataset)),
     params:
         eaglet=EAGLET,
         file=PARAMS_FILE,

@@ -1,6 +1,7 @@
 """End to end on the embedded target: prompts -> responses through the CLI (graph: test_graph)."""
 
 import json
+import shutil
 import subprocess
 import sys
 
@@ -52,6 +53,7 @@ def test_cli_prompts_then_responses(project):
     assert side["provenance"]["upstream"]["prompts"] in prompts_path
     # greedy decoding is deterministic: a rebuild gives the same texts
     (project / "again.jsonl.zst").unlink(missing_ok=True)
+    shutil.rmtree(project / "data" / "cache")  # regenerate rather than read the response store
     eaglet(project, "generate", "sg", "--quiet", "--out", str(project / "again.jsonl.zst"))
     again = list(read_jsonl(project / "again.jsonl.zst"))
     assert [a["output_ids"] for a in again] == [r["output_ids"] for r in recs]

@@ -48,6 +48,9 @@ def cmd_generate(args: argparse.Namespace) -> None:
     from eaglet import generate
 
     params = _checked(args, "responses")
+    if args.dry_run:
+        generate.show_preflight(generate.preflight(params, args.dataset))
+        return
     print(
         generate.build(params, args.dataset, out=args.out, threads=args.threads, quiet=args.quiet)
     )
@@ -97,6 +100,19 @@ def cmd_export(args: argparse.Namespace) -> None:
     out, command = export.build(_checked(args, args.to), args.drafter, args.to, out=args.out)
     print(f"eaglet: {args.to} export validated; serve with:\n  {command}", file=sys.stderr)
     print(out)
+
+
+def cmd_import_responses(args: argparse.Namespace) -> None:
+    from eaglet import foreign
+
+    s = foreign.import_file(_params(args), args.dataset, args.file)
+    cost = f", ${s['cost']:.4f}" if s["cost"] else ""
+    schemas = ", ".join(f"{n} {k}" for k, n in sorted(s["schemas"].items()))
+    print(
+        f"{args.file}: {s['records']} records ({schemas}), {s['new']} new in the store, "
+        f"{s['in_dataset']} are prompts of {args.dataset}; "
+        f"{s['completion_tokens']:,} completion tokens{cost}"
+    )
 
 
 def cmd_status(args: argparse.Namespace) -> None:
@@ -190,6 +206,17 @@ def parser() -> argparse.ArgumentParser:
     g = stage("generate", cmd_generate, "regenerate responses with the target")
     g.add_argument("--threads", type=int, help="torch threads (Snakemake passes {threads})")
     g.add_argument("--quiet", action="store_true", help="log lines instead of a live bar")
+
+    g.add_argument(
+        "--dry-run", action="store_true", help="check the backend, say what a run would do"
+    )
+
+    p = sub.add_parser("import-responses", help="file a foreign raw_responses.jsonl in the store")
+    p.add_argument("dataset", help="dataset name from params.yaml (its backend and sampling)")
+    p.add_argument("file", type=Path, help="JSON lines in OpenAI or SGLang shape")
+    _add_common(p)
+    p.set_defaults(fn=cmd_import_responses)
+
     h = stage("hidden", cmd_hidden, "store the target's hidden states for the responses")
     h.add_argument("--threads", type=int, help="torch threads (Snakemake passes {threads})")
     h.add_argument("--quiet", action="store_true", help="log lines instead of a live bar")

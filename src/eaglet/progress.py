@@ -19,7 +19,9 @@ def _duration(seconds: float) -> str:
 
 
 class Progress:
-    """Counts done/failed items, tokens and cost; renders to a TTY or logs lines."""
+    """Counts done/failed items, tokens and cost; renders to a TTY or logs lines.
+
+    `total` may be revised while running (e.g. when a budget will stop the work early)."""
 
     def __init__(self, label: str, total: int, quiet: bool = False, unit: str = "req"):
         self.label, self.total, self.unit = label, total, unit
@@ -47,27 +49,43 @@ class Progress:
         self.cost += cost or 0.0
         now = time.monotonic()
         if self._live is not None:
-            self._live.update(self._task, completed=self.done, line=self.line())
+            self._live.update(self._task, completed=self.done, total=self.total, line=self.line())
         elif now - self._last_log >= LOG_EVERY_S:
             self._last_log = now
             print(f"{self.label}: {self.line()}", file=sys.stderr, flush=True)
 
-    def line(self) -> str:
+    def snapshot(self) -> dict:
+        """The numbers behind the line, for other processes (`eaglet status`)."""
         elapsed = max(time.monotonic() - self.start, 1e-9)
         rate = self.done / elapsed
-        eta = (self.total - self.done) / rate if rate > 0 else float("inf")
+        left = max(self.total - self.done, 0)
+        return {
+            "total": self.total,
+            "done": self.done,
+            "failed": self.failed,
+            "tokens": self.tokens,
+            "cost": self.cost,
+            "elapsed_s": round(elapsed, 3),
+            "rate": rate,
+            "tok_s": self.tokens / elapsed,
+            "eta_s": left / rate if rate > 0 else None,
+        }
+
+    def line(self) -> str:
+        s = self.snapshot()
+        eta = s["eta_s"] if s["eta_s"] is not None else float("inf")
         pct = 100.0 * self.done / self.total if self.total else 100.0
         parts = [
             f"{self.done}/{self.total} ({pct:.0f}%)",
-            f"{rate:.2f} {self.unit}/s",
-            f"{self.tokens / elapsed:.0f} tok/s",
+            f"{s['rate']:.2f} {self.unit}/s",
+            f"{s['tok_s']:.0f} tok/s",
             f"ETA {_duration(eta)}",
         ]
         if self.failed:
             parts.insert(1, f"{self.failed} failed")
         if self.cost:
             projected = self.cost / self.done * self.total if self.done else 0.0
-            parts.append(f"${self.cost:.4f} (projected ${projected:.2f})")
+            parts.append(f"${self.cost:.4f} (projected ${projected:.4f})")
         return "  ".join(parts)
 
     def close(self) -> None:

@@ -1,59 +1,127 @@
-"""`eaglet status`: what every artifact's current key is, whether it is built, and its stats."""
+"""`eaglet status`: every artifact's current key and state, and how each generation stands.
+
+An artifact is `up to date` when it exists at its current key, `stale` when only files of
+older keys exist (built from older params or code), else `missing`. Generation progress is read
+from the response store, so it is live while `eaglet generate` runs in another process.
+"""
 
 from __future__ import annotations
 
 import json
 import os
+import time
 
 from eaglet.io import read_json
 from eaglet.keys import STAGES, Keys
 from eaglet.params import Params
+from eaglet.store import Store, store_path
+
+RUN_FRESH_S = 60.0  # a heartbeat older than this is not a run in progress
+
+
+def _state(path, stage) -> str:
+    if path.exists():
+        return "up to date"
+    ext = STAGES[stage].ext
+    others = [p for p in path.parent.glob(f"*{ext}") if not p.name.startswith(".")]
+    return "stale" if others else "missing"
+
+
+def generation(params: Params, dataset: str, keys: Keys, store: Store | None) -> dict | None:
+    """Prompts, answers done and failed, tokens, cost, % of target and the run in progress."""
+    from eaglet.generate import job, scan
+
+    if not keys.path("prompts", dataset).exists():
+        return None
+    j = job(params, dataset, keys)
+    if store is None:
+        s = {"prompts": j.count(), "ok": 0, "failed": 0, "tokens": 0, "cost": 0.0}
+    else:
+        s = scan(j, store)
+    if j.token_budget is not None:
+        target = {"by": "token_budget", "of": j.token_budget, "have": s["tokens"]}
+    else:
+        target = {"by": "samples", "of": s["prompts"], "have": s["ok"]}
+    target["pct"] = (
+        round(min(100.0, 100.0 * target["have"] / target["of"]), 1) if target["of"] else 100.0
+    )
+    run = store.run(dataset, j.response_key) if store is not None else None
+    if run is not None and run["alive"] and time.time() - run["updated"] > RUN_FRESH_S:
+        run["state"] = "stalled"
+    return {
+        "prompts": s["prompts"],
+        "done": s["ok"],
+        "failed": s["failed"],
+        "tokens": s["tokens"],
+        "cost": s["cost"],
+        "target": target,
+        "run": run,
+    }
+
+
+def _row(params: Params, keys: Keys, store, kind: str, name: str, stage: str) -> dict:
+    path = keys.path(stage, name)
+    sidecar = keys.sidecar(stage, name)
+    row = {
+        "stage": stage,
+        kind: name,
+        "key": keys.key(stage, name),
+        "path": os.path.relpath(path),
+        "state": _state(path, stage),
+    }
+    if path.exists() and sidecar.exists():
+        row["stats"] = read_json(sidecar).get("stats", {})
+    if stage == "responses":
+        row["generation"] = generation(params, name, keys, store)
+    if stage == "hidden" and path.is_dir():
+        row["disk_bytes"] = sum(p.stat().st_size for p in path.iterdir() if p.is_file())
+    return row
 
 
 def collect(params: Params) -> list[dict]:
-    """One row per (stage, dataset): key, path, state and the stats of its sidecar."""
+    """One row per (stage, dataset): key, path, state, the stats of its sidecar, progress."""
     keys = Keys(params)
+    path = store_path(params.root)
+    store = Store(path) if path.exists() else None
     rows = []
-    for ds in params.datasets:
-        for stage in (s.name for s in STAGES.values() if s.kind == "dataset"):
-            path = keys.path(stage, ds)
-            sidecar = keys.sidecar(stage, ds)
-            row = {
-                "stage": stage,
-                "dataset": ds,
-                "key": keys.key(stage, ds),
-                "path": os.path.relpath(path),
-                "state": "built" if path.exists() else "missing",
-            }
-            if path.exists() and sidecar.exists():
-                row["stats"] = read_json(sidecar).get("stats", {})
-            if stage == "hidden" and path.is_dir():
-                row["disk_bytes"] = sum(p.stat().st_size for p in path.iterdir() if p.is_file())
-            rows.append(row)
-    for d in params.drafters:
-        for stage in (s.name for s in STAGES.values() if s.kind == "drafter"):
-            path = keys.path(stage, d)
-            sidecar = keys.sidecar(stage, d)
-            row = {
-                "stage": stage,
-                "drafter": d,
-                "key": keys.key(stage, d),
-                "path": os.path.relpath(path),
-                "state": "built" if path.exists() else "missing",
-            }
-            if path.exists() and sidecar.exists():
-                row["stats"] = read_json(sidecar).get("stats", {})
-            rows.append(row)
+    try:
+        for kind, names in (("dataset", params.datasets), ("drafter", params.drafters)):
+            for name in names:
+                for stage in (s.name for s in STAGES.values() if s.kind == kind):
+                    rows.append(_row(params, keys, store, kind, name, stage))
+    finally:
+        if store is not None:
+            store.close()
     return rows
+
+
+def _duration(seconds: float | None) -> str:
+    if seconds is None:
+        return "?"
+    s = int(seconds)
+    return f"{s // 3600}h{s % 3600 // 60:02d}m" if s >= 3600 else f"{s // 60}m{s % 60:02d}s"
 
 
 def _summary(row: dict) -> str:
     st = row.get("stats", {})
     if row["stage"] == "prompts" and st:
         return f"{st['kept']} prompts ({st['bad_rows']} bad rows, {st['duplicates']} duplicates)"
-    if row["stage"] == "responses" and st:
-        cost = f", ${st['cost']:.4f}" if st.get("cost") else ""
-        return f"{st['responses']} responses, {st['completion_tokens']} completion tokens{cost}"
+    g = row.get("generation")
+    if row["stage"] == "responses" and g:
+        t = g["target"]
+        text = f"{g['done']}/{g['prompts']} answered, {g['tokens']:,} tok ({t['pct']:.0f}% of "
+        text += "token budget)" if t["by"] == "token_budget" else "prompts)"
+        if g["failed"]:
+            text += f", {g['failed']} failed"
+        if g["cost"]:
+            text += f", ${g['cost']:.4f}"
+        run = g["run"]
+        if run and run["state"] in ("running", "stalled"):
+            text += (
+                f"; {run['state']}: {run['done']}/{run['total']}, {run['rate']:.2f} req/s, "
+                f"ETA {_duration(run['eta_s'])}"
+            )
+        return text
     if row["stage"] == "hidden" and st:
         per_token = row["disk_bytes"] / st["tokens"]
         return (
@@ -81,6 +149,6 @@ def show(params: Params, as_json: bool = False) -> None:
     for r in rows:
         name = r.get("dataset") or r["drafter"]
         print(
-            f"{name:<{width}}  {r['stage']:<9}  {r['key']}  {r['state']:<7}  "
+            f"{name:<{width}}  {r['stage']:<9}  {r['key']}  {r['state']:<10}  "
             f"{_summary(r):<58}  {r['path']}"
         )

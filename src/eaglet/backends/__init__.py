@@ -1,12 +1,13 @@
 """Generation backends behind one async interface.
 
-A backend turns batches of requests into results. `plan` groups requests into the batches it
-wants (the in-process model batches by length; a server takes one request at a time) and
-`concurrency` says how many batches may be in flight at once.
+A backend answers batches of requests. `plan` groups `window` consecutive requests into the
+batches it wants (the in-process model sorts a window by length into batches of `batch_size`; a
+server takes one request at a time), and `concurrency` says how many batches may be in flight.
 
 Request: {"id", "messages", "sampling"}. Result (per request, same order): {"response",
-"output_ids" (or None), "prompt_tokens", "completion_tokens", "finish_reason", "model",
-"latency_s"}, optionally "reasoning" and "cost".
+"reasoning", "output_ids" (or None), "prompt_tokens", "completion_tokens", "finish_reason",
+"model", "cost" (or None), "latency_s", "attempts", "meta"}; or, once retries are spent,
+{"error", "attempts"}. A failure every request would share raises `Abort`.
 """
 
 from __future__ import annotations
@@ -19,6 +20,8 @@ from eaglet.params import Params
 class Backend(Protocol):
     name: str
     concurrency: int
+    batch_size: int
+    window: int
 
     def plan(self, requests: list[dict]) -> list[list[dict]]: ...
 
@@ -29,12 +32,19 @@ class Backend(Protocol):
 
 def make_backend(params: Params, name: str, threads: int | None = None) -> Backend:
     """Build the backend `name` of params.yaml."""
+    from eaglet.target import load_tokenizer, resolve
+
     cfg = params.backend(name)
+    t = params.target
+    spec = resolve(t["model"], t.get("revision"), params.root)
     if cfg["kind"] == "transformers":
         from eaglet.backends.transformers import TransformersBackend
-        from eaglet.target import resolve
 
-        t = params.target
-        spec = resolve(t["model"], t.get("revision"), params.root)
         return TransformersBackend(name, spec, cfg, threads=threads)
-    raise NotImplementedError(f"backend kind '{cfg['kind']}' is not available yet")
+    if cfg["kind"] == "sglang":
+        from eaglet.backends.sglang import SGLangBackend
+
+        return SGLangBackend(name, cfg, load_tokenizer(spec), spec.name)
+    from eaglet.backends.openai import OpenAIBackend
+
+    return OpenAIBackend(name, cfg, lambda: load_tokenizer(spec))

@@ -21,6 +21,8 @@ class TransformersBackend:
         import torch
 
         self.name, self.spec, self.cfg = name, spec, cfg
+        self.batch_size = cfg["batch_size"]
+        self.window = 8 * self.batch_size  # sorted by length, then cut into batches
         threads = threads or cfg.get("threads") or 0
         if threads:
             torch.set_num_threads(threads)
@@ -36,7 +38,7 @@ class TransformersBackend:
         for r in requests:
             r["_ids"] = prompt_ids(self.tokenizer, r["messages"])
         ordered = sorted(requests, key=lambda r: len(r["_ids"]))
-        size = self.cfg["batch_size"]
+        size = self.batch_size
         return [ordered[i : i + size] for i in range(0, len(ordered), size)]
 
     async def generate(self, batch: list[dict]) -> list[dict]:
@@ -88,7 +90,11 @@ class TransformersBackend:
                     "completion_tokens": len(output_ids),
                     "finish_reason": "length" if end is None else "stop",
                     "model": self.spec.name,
+                    "reasoning": None,
+                    "cost": None,
                     "latency_s": round(latency, 4),
+                    "attempts": 1,
+                    "meta": {"batch": len(batch)},
                 }
             )
         return results

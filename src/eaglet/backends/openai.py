@@ -1,0 +1,159 @@
+"""Any OpenAI-compatible chat-completions endpoint, OpenRouter first.
+
+The bearer key comes from the environment variable named by `api_key_env`, never from params,
+and appears in no log, record or error. `usage.cost` is the cost (else `price_per_mtok`, else
+none: an unknown price is never $0); `message.reasoning` is kept apart from `content`;
+`provider`, `reasoning` and `extra_body` pass through; an `error` inside a 200 body is an error.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from typing import Any
+
+import httpx
+
+from eaglet.backends.http import Client, Retryable, classify, unreachable
+from eaglet.errors import EagletError
+
+
+class OpenAIBackend:
+    batch_size = window = 1
+
+    def __init__(self, name: str, cfg: dict, tokenizer: Callable[[], Any]):
+        self.name, self.cfg = name, cfg
+        self.concurrency = cfg["concurrency"]
+        self.model = cfg["model"]
+        key = os.environ.get(cfg["api_key_env"])
+        if not key:
+            raise EagletError(
+                f"backends.{name}: environment variable {cfg['api_key_env']} (api_key_env) "
+                "is not set"
+            )
+        headers = {"authorization": f"Bearer {key}", "x-title": "eaglet"}
+        self.client = Client(cfg["base_url"], cfg, headers, key_env=cfg["api_key_env"])
+        self._tokenizer_factory, self._tokenizer = tokenizer, None
+        self.price = cfg.get("price_per_mtok")
+
+    def plan(self, requests: list[dict]) -> list[list[dict]]:
+        return [[r] for r in requests]
+
+    async def generate(self, batch: list[dict]) -> list[dict]:
+        (request,) = batch
+        body = chat_body(request, self.model, self.cfg)
+        return [await self.client.post("chat/completions", body, self.parse)]
+
+    def parse(self, data: Any) -> dict:
+        return parse_chat(data, self.model, self.count, self.price)
+
+    def count(self, text: str) -> int:
+        """No usage in the answer: count with the target tokenizer."""
+        if self._tokenizer is None:
+            self._tokenizer = self._tokenizer_factory()
+        return len(self._tokenizer(text, add_special_tokens=False)["input_ids"])
+
+    async def check(self) -> dict:
+        """Preflight: reachable, model served, key valid, credit left (OpenRouter `/key`)."""
+        base = self.cfg["base_url"]
+        out: dict[str, Any] = {"url": base, "model": self.model}
+        try:
+            status, models = await self.client.get("models")
+        except httpx.HTTPError as e:
+            raise unreachable(base, e) from None
+        if status == 401:
+            raise EagletError(f"{base}: key rejected (HTTP 401; check ${self.cfg['api_key_env']})")
+        ids = {m.get("id"): m for m in (models or {}).get("data", []) if isinstance(m, dict)}
+        out["model_served"] = self.model in ids if ids else None
+        if ids and self.model not in ids:
+            raise EagletError(f"{base}: model '{self.model}' is not served")
+        pricing = ids.get(self.model, {}).get("pricing") or {}
+        if self.price:
+            out["price_per_token"] = {k: v / 1e6 for k, v in self.price.items()}
+        elif pricing:
+            out["price_per_token"] = {k: float(pricing[k]) for k in ("prompt", "completion")}
+        status, key = await self.client.get("key")
+        if status == 401:
+            raise EagletError(f"{base}: key rejected (HTTP 401; check ${self.cfg['api_key_env']})")
+        if status == 200 and isinstance(key, dict):
+            data = key.get("data", {})
+            out["key"] = "valid"
+            out["credit"] = {"limit": data.get("limit"), "remaining": data.get("limit_remaining")}
+        else:
+            out["key"] = "not checked (no /key route)"
+        return out
+
+    async def close(self) -> None:
+        await self.client.close()
+
+
+def chat_body(request: dict, model: str, cfg: dict) -> dict:
+    """The chat-completions request: messages, token cap, sampling, passthrough options."""
+    s = request["sampling"]
+    body: dict[str, Any] = {
+        "model": model,
+        "messages": request["messages"],
+        "max_tokens": s["max_new_tokens"],
+        "temperature": s["temperature"],
+        "top_p": s["top_p"],
+        "seed": s["seed"],
+    }
+    if s["top_k"] > 0:
+        body["top_k"] = s["top_k"]
+    for k in ("provider", "reasoning"):
+        if k in cfg:
+            body[k] = cfg[k]
+    body.update(cfg.get("extra_body", {}))
+    return body
+
+
+def parse_chat(
+    data: Any, model: str, count: Callable[[str], int], price: dict | None = None
+) -> dict:
+    """One chat completion -> a result; errors in the body raise like HTTP errors."""
+    if not isinstance(data, dict):
+        raise Retryable("HTTP 200 with a body that is not a JSON object")
+    if data.get("error"):
+        _body_error(data)
+    choices = data.get("choices")
+    if not choices or not isinstance(choices[0], dict):
+        raise Retryable("HTTP 200 without choices")
+    choice = choices[0]
+    if choice.get("error"):
+        _body_error(choice)
+    if choice.get("finish_reason") == "error":
+        raise Retryable("finish_reason error")
+    message = choice.get("message") or {}
+    text = message.get("content") or ""
+    reasoning = message.get("reasoning") or message.get("reasoning_content")
+    usage = data.get("usage") or {}
+    output_ids = choice.get("response_token_ids")  # SGLang >= 0.5.23 returns them on request
+    completion = usage.get("completion_tokens")
+    if completion is None:
+        completion = len(output_ids) if output_ids else count((reasoning or "") + text)
+    prompt = usage.get("prompt_tokens")
+    cost = usage.get("cost")
+    if cost is None and price and prompt is not None:
+        cost = (prompt * price.get("prompt", 0) + completion * price.get("completion", 0)) / 1e6
+    meta = {k: data[k] for k in ("id", "provider") if k in data}
+    if usage:
+        meta["usage"] = usage
+    return {
+        "response": text,
+        "reasoning": reasoning,
+        "output_ids": output_ids,
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "finish_reason": choice.get("finish_reason") or "stop",
+        "model": data.get("model") or model,
+        "cost": cost,
+        "meta": meta,
+    }
+
+
+def _body_error(data: dict) -> None:
+    """An `error` inside a 200 body: classified by its own code (retried when unknown)."""
+    err = data["error"]
+    code = err.get("code") if isinstance(err, dict) else None
+    status = code if isinstance(code, int) and 400 <= code < 600 else 502
+    classify(status, data, httpx.Headers())

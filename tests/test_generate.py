@@ -1,0 +1,408 @@
+"""The generation engine against real loopback servers speaking OpenAI/OpenRouter and SGLang."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from eaglet import generate, prompts, status
+from eaglet.backends.http import retry_after
+from eaglet.chat import prompt_ids
+from eaglet.errors import EagletError
+from eaglet.io import read_jsonl
+from eaglet.keys import Keys, sidecar_of
+from eaglet.params import load
+from eaglet.records import RESPONSE_FIELDS
+from eaglet.store import Store, store_path
+from eaglet.target import SMOLLM2, load_tokenizer, resolve
+
+from .conftest import ROOT, write_params
+from .fake_llm import FakeLLM, chat_digest, openai_answer, sglang_answer
+
+KEY = "sk-or-v1-test-4f1e9c0b7a"
+KEY_ENV = "EAGLET_TEST_KEY"
+CAP = 16
+
+
+@pytest.fixture
+def server():
+    fakes = []
+
+    def start(**kw) -> FakeLLM:
+        kw.setdefault("api_key", KEY)
+        fakes.append(FakeLLM(**kw).start())
+        return fakes[-1]
+
+    yield start
+    for f in fakes:
+        f.stop()
+
+
+@pytest.fixture(autouse=True)
+def api_key(monkeypatch):
+    monkeypatch.setenv(KEY_ENV, KEY)
+
+
+def write_raw(project: Path, n: int, name: str = "raw.jsonl") -> Path:
+    path = project / "data" / name
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w") as f:
+        for i in range(n):
+            turns = [
+                {"from": "human", "value": f"Question {i}: what is {i} times {i + 3}?"},
+                {"from": "gpt", "value": "an old answer"},
+            ]
+            f.write(json.dumps({"conversations": turns}) + "\n")
+    return path
+
+
+def api_params(url: str, datasets: dict, **backend) -> dict:
+    cfg = {
+        "kind": "openai",
+        "base_url": f"{url}/v1",
+        "model": "fake/model-1",
+        "api_key_env": KEY_ENV,
+        "concurrency": 16,
+        "timeout_s": 10,
+        "backoff_s": 0.01,
+        "backoff_max_s": 0.05,
+        "provider": {"order": ["prov-a"], "allow_fallbacks": False},
+    }
+    cfg.update(backend)
+    return {
+        "target": {"model": SMOLLM2},
+        "backends": {"api": cfg},
+        "generation": {"backend": "api", "max_new_tokens": CAP},
+        "datasets": datasets,
+    }
+
+
+def setup(project: Path, data: dict, *datasets: str):
+    write_params(project, data)
+    params = load(project / "params.yaml")
+    for ds in datasets or params.datasets:
+        prompts.build(params, ds)
+    return params
+
+
+def eaglet(project: Path, *args: str, check: bool = True) -> subprocess.CompletedProcess:
+    env = dict(os.environ, PYTHONPATH=str(ROOT / "src"))
+    cmd = [sys.executable, "-m", "eaglet", *args, "--params", str(project / "params.yaml")]
+    r = subprocess.run(cmd, capture_output=True, text=True, cwd=project, env=env)
+    if check:
+        assert r.returncode == 0, r.stderr
+    return r
+
+
+def records(params, ds: str) -> list[dict]:
+    return list(read_jsonl(Keys(params).path("responses", ds)))
+
+
+def assert_sent(fake: FakeLLM, rec: dict, cap: int = CAP) -> None:
+    """The record holds exactly what the server answered for its messages."""
+    sent = fake.sent[chat_digest(rec["messages"], cap)]
+    assert sent, rec["id"]
+    want = openai_answer(rec["messages"], cap)
+    assert rec["response"] == want["text"] == sent[-1]["choices"][0]["message"]["content"]
+    assert rec["completion_tokens"] == want["completion_tokens"]
+    assert rec["cost"] == want["cost"] and rec["finish_reason"] == want["finish_reason"]
+
+
+# ---------------------------------------------------------------------------- the must-shows
+
+
+@pytest.mark.slow
+def test_faulty_server_kill9_then_rerun_gives_every_answer_once(tmp_path, server):
+    faults = {"429": 0.10, "500": 0.03, "503": 0.02, "truncated": 0.03, "drop": 0.03}
+    fake = server(faults=faults, seed=7, latency=0.005)
+    n = 2000
+    write_raw(tmp_path, n)
+    data = api_params(fake.url, {"big": {"path": "data/raw.jsonl", "format": "sharegpt"}})
+    data["backends"]["api"]["concurrency"] = 64
+    params = setup(tmp_path, data)
+    env = dict(os.environ, PYTHONPATH=str(ROOT / "src"))
+    cmd = [sys.executable, "-m", "eaglet", "generate", "big", "--quiet", "--params"]
+    proc = subprocess.Popen(
+        [*cmd, str(tmp_path / "params.yaml")],
+        cwd=tmp_path,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
+    deadline = time.monotonic() + 60
+    while len(fake.sent) < 700 and time.monotonic() < deadline and proc.poll() is None:
+        time.sleep(0.02)
+    live = status.collect(params)[1]["generation"]  # read while the other process writes
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert proc.returncode == -signal.SIGKILL, proc.stderr.read()
+    out = Keys(params).path("responses", "big")
+    assert not out.exists()
+    assert 0 < live["done"] < n and live["run"]["state"] == "running"
+    after_kill = status.collect(params)[1]["generation"]
+    assert after_kill["run"]["state"] == "interrupted" and after_kill["done"] >= live["done"]
+    paid_before = sum(len(v) for v in fake.sent.values())
+
+    r = eaglet(tmp_path, "generate", "big", "--quiet")
+    assert r.stdout.strip() == str(out)
+    recs = records(params, "big")
+    want_ids = [p["id"] for p in read_jsonl(Keys(params).path("prompts", "big"))]
+    assert [x["id"] for x in recs] == want_ids and len(set(want_ids)) == n
+    for rec in recs:
+        assert set(rec) == set(RESPONSE_FIELDS) and rec["backend"] == "api"
+        assert_sent(fake, rec)
+    expect = [openai_answer(x["messages"], CAP) for x in recs]
+    side = json.loads(sidecar_of(out).read_text())["stats"]
+    assert side["responses"] == n
+    assert side["completion_tokens"] == sum(e["completion_tokens"] for e in expect)
+    assert side["cost"] == pytest.approx(sum(e["cost"] for e in expect), rel=1e-9)
+    assert side["requests_sent"] == n - side["store_hits"] and side["store_hits"] >= 700
+    # answers paid twice: at most those in flight at the kill (concurrency 64)
+    paid = sum(len(v) for v in fake.sent.values())
+    assert n <= paid <= n + 64 and paid_before <= n
+    assert all(fake.faulted[k] > 0 for k in faults)
+    assert max(x["attempts"] for x in recs) > 1
+    # the API key is in no file under the project, store and its WAL included
+    for path in tmp_path.rglob("*"):
+        if path.is_file():
+            assert KEY.encode() not in path.read_bytes(), path
+
+
+def test_token_budget_output_is_the_longest_prefix_that_fits(tmp_path, server):
+    fake = server()
+    write_raw(tmp_path, 60)
+    budget = 150
+    ds = {"path": "data/raw.jsonl", "format": "sharegpt", "token_budget": budget}
+    params = setup(tmp_path, api_params(fake.url, {"b": ds}, concurrency=8))
+    out = generate.build(params, "b", quiet=True)
+    recs = list(read_jsonl(out))
+    total = sum(r["completion_tokens"] for r in recs)
+    order = list(read_jsonl(Keys(params).path("prompts", "b")))
+    assert [r["id"] for r in recs] == [p["id"] for p in order[: len(recs)]]
+    nxt = openai_answer(order[len(recs)]["messages"], CAP)["completion_tokens"]
+    assert total <= budget < total + nxt
+    assert json.loads(sidecar_of(out).read_text())["stats"]["stopped_by"] == "token_budget"
+    sent = len(fake.sent)
+    assert sent <= len(recs) + 1 + 8  # what was in flight when the budget was reached
+    # same store, any concurrency: the same file; a larger budget sends only what it lacks
+    first = out.read_bytes()
+    out.unlink()
+    data = api_params(fake.url, {"b": ds}, concurrency=1)
+    write_params(tmp_path, data)
+    assert generate.build(load(tmp_path / "params.yaml"), "b", quiet=True).read_bytes() == first
+    assert len(fake.sent) == sent
+    ds["token_budget"] = 10**6
+    params = setup(tmp_path, api_params(fake.url, {"b": ds}, concurrency=8))
+    generate.build(params, "b", quiet=True)
+    assert len(records(params, "b")) == 60
+    assert sum(len(v) for v in fake.sent.values()) == 60  # nothing asked twice
+
+
+def test_overall_budget_stops_dispatch_and_keeps_answers(tmp_path, server):
+    fake = server()
+    write_raw(tmp_path, 40)
+    data = api_params(fake.url, {"a": {"path": "data/raw.jsonl", "format": "sharegpt"}})
+    data["backends"]["api"]["concurrency"] = 2
+    data["budget"] = {"max_cost_usd": 0.0003}
+    params = setup(tmp_path, data)
+    with pytest.raises(EagletError, match=r"not generated.*budget\.max_cost_usd reached"):
+        generate.build(params, "a", quiet=True)
+    store = Store(store_path(tmp_path))
+    spent = store.totals()[1]
+    (per,) = store.db.execute("SELECT MAX(cost) FROM responses").fetchone()
+    store.close()
+    assert 0.0003 <= spent <= 0.0003 + 2 * per  # what was in flight at the stop finished
+    assert 0 < len(fake.sent) < 40
+    assert not Keys(params).path("responses", "a").exists()
+
+
+def test_identical_prompts_are_paid_once_and_processes_share_the_store(tmp_path, server):
+    fake = server(latency=0.01)
+    write_raw(tmp_path, 30)
+    sg = {"path": "data/raw.jsonl", "format": "sharegpt"}
+    data = api_params(fake.url, {"x": {**sg, "max_samples": 20}, "y": {**sg, "max_samples": 30}})
+    params = setup(tmp_path, data)
+    procs = [  # two generations at once on one store
+        subprocess.Popen(
+            [sys.executable, "-m", "eaglet", "generate", ds, "--quiet", "--params", "params.yaml"],
+            cwd=tmp_path,
+            env=dict(os.environ, PYTHONPATH=str(ROOT / "src")),
+            stderr=subprocess.PIPE,
+        )
+        for ds in ("x", "y")
+    ]
+    for p in procs:
+        assert p.wait() == 0, p.stderr.read().decode()
+    x, y = records(params, "x"), records(params, "y")
+    assert len(x) == 20 and len(y) == 30
+    for rec in x + y:
+        assert_sent(fake, rec)
+    assert len(fake.sent) == 30  # 30 distinct prompts asked; racing processes may both ask one
+    # a new dataset over the same prompts and a changed max_samples: nothing new to pay
+    before = sum(len(v) for v in fake.sent.values())
+    data["datasets"]["x"]["max_samples"] = 25
+    params = setup(tmp_path, data, "x")
+    generate.build(params, "x", quiet=True)
+    assert len(records(params, "x")) == 25
+    assert sum(len(v) for v in fake.sent.values()) == before
+
+
+# ---------------------------------------------------------------------------- retries
+
+
+def test_retry_policy_against_injected_faults(tmp_path, server):
+    faults = {"429": 0.2, "402": 0.1, "500": 0.1, "error200": 0.1, "truncated": 0.1, "drop": 0.1}
+    fake = server(faults=faults, max_faults=2, seed=3)
+    fake.keep_bodies = True
+    write_raw(tmp_path, 40)
+    ds = {"path": "data/raw.jsonl", "format": "sharegpt", "max_new_tokens": 3}
+    params = setup(tmp_path, api_params(fake.url, {"a": ds}, reasoning={"effort": "low"}))
+    generate.build(params, "a", quiet=True)
+    recs = records(params, "a")
+    assert len(recs) == 40
+    for rec in recs:
+        assert_sent(fake, rec, cap=3)
+        assert rec["reasoning"] == "thinking about 1 messages"
+        attempts = fake.attempts[chat_digest(rec["messages"], 3)]
+        assert rec["attempts"] == attempts  # every attempt counted, and one answer kept
+    assert all(fake.faulted[k] for k in faults)
+    length = [r for r in recs if r["finish_reason"] == "length"]
+    assert length and all(len(fake.sent[chat_digest(r["messages"], 3)]) == 1 for r in length)
+    body = fake.bodies[0]  # passthrough: provider routing and reasoning; the cap always sent
+    assert body["provider"] == {"order": ["prov-a"], "allow_fallbacks": False}
+    assert body["reasoning"] == {"effort": "low"} and body["max_tokens"] == 3
+    assert body["model"] == "fake/model-1"
+
+
+def test_retry_after_is_honoured_and_pauses_the_backend(tmp_path, server):
+    fake = server(faults={"429": 1.0}, max_faults=1, retry_after="1")
+    write_raw(tmp_path, 4)
+    ds = {"path": "data/raw.jsonl", "format": "sharegpt"}
+    params = setup(tmp_path, api_params(fake.url, {"a": ds}, concurrency=4, backoff_s=0.001))
+    generate.build(params, "a", quiet=True)
+    first = min(t[0] for t in fake.times.values())
+    for times in fake.times.values():
+        assert len(times) == 2 and times[1] - first >= 0.95
+    assert retry_after("Wed, 21 Oct 2015 07:28:00 GMT") == 0.0 and retry_after("2.5") == 2.5
+
+
+def test_slow_answers_time_out_and_are_retried(tmp_path, server):
+    fake = server(faults={"slow": 0.3}, max_faults=1, slow_s=1.5, seed=1)
+    write_raw(tmp_path, 12)
+    ds = {"path": "data/raw.jsonl", "format": "sharegpt"}
+    params = setup(tmp_path, api_params(fake.url, {"a": ds}, timeout_s=0.5))
+    generate.build(params, "a", quiet=True)
+    recs = records(params, "a")
+    assert fake.faulted["slow"] > 0 and len(recs) == 12
+    assert sum(r["attempts"] == 2 for r in recs) == fake.faulted["slow"]
+
+
+def test_failed_prompts_are_recorded_then_retried_by_a_rerun(tmp_path, server):
+    fake = server(faults={"400": 0.3, "503": 0.3}, max_faults=10, seed=5)
+    write_raw(tmp_path, 20)
+    ds = {"path": "data/raw.jsonl", "format": "sharegpt"}
+    params = setup(tmp_path, api_params(fake.url, {"a": ds}, max_retries=1))
+    with pytest.raises(EagletError, match=r"failed \(first: [0-9a-f]{16}: HTTP (400|503)"):
+        generate.build(params, "a", quiet=True)
+    assert not Keys(params).path("responses", "a").exists()
+    g = status.collect(params)[1]["generation"]
+    assert g["failed"] > 0 and g["done"] + g["failed"] == 20
+    four_hundreds = fake.faulted["400"]
+    fake.faults = {}  # the server recovers
+    generate.build(params, "a", quiet=True)
+    recs = records(params, "a")
+    assert len(recs) == 20 and sum(r["attempts"] > 1 for r in recs) >= g["failed"]
+    assert four_hundreds > 0
+    for rec in recs:
+        assert_sent(fake, rec)
+
+
+def test_bad_key_stops_the_run_without_leaking_it(tmp_path, server, monkeypatch):
+    fake = server()
+    write_raw(tmp_path, 40)
+    write_params(tmp_path, api_params(fake.url, {"a": {"path": "data/raw.jsonl"}}, concurrency=2))
+    eaglet(tmp_path, "prompts", "a")
+    monkeypatch.setenv(KEY_ENV, "sk-wrong-key-0000")
+    r = eaglet(tmp_path, "generate", "a", "--quiet", check=False)
+    assert r.returncode == 2 and "HTTP 401" in r.stderr and f"${KEY_ENV}" in r.stderr
+    assert "sk-wrong-key-0000" not in r.stderr + r.stdout
+    assert fake.requests <= 4  # the run stopped instead of trying every prompt
+    monkeypatch.delenv(KEY_ENV)
+    r = eaglet(tmp_path, "generate", "a", check=False)
+    assert r.returncode == 2 and f"{KEY_ENV} (api_key_env) is not set" in r.stderr
+
+
+# ---------------------------------------------------------------------------- preflight
+
+
+def test_dry_run_checks_the_backend_and_counts_store_misses(tmp_path, server):
+    fake = server()
+    write_raw(tmp_path, 30)
+    sg = {"path": "data/raw.jsonl", "format": "sharegpt"}
+    data = api_params(fake.url, {"a": {**sg, "max_samples": 10}, "b": {**sg, "token_budget": 100}})
+    params = setup(tmp_path, data)
+    generate.build(params, "a", quiet=True)
+    posts = fake.requests
+    rep = generate.preflight(params, "b")
+    assert fake.requests - posts == 2 and len(fake.sent) == 10  # two GETs, no generation
+    assert rep["store"]["ok"] == 10 and rep["requests"] == 20
+    assert rep["check"]["model_served"] and rep["check"]["key"] == "valid"
+    assert rep["check"]["credit"] == {"limit": 10.0, "remaining": 10.0}
+    assert rep["tokens"]["max"] == 20 * CAP and rep["tokens"]["history_answers"] == 10
+    assert 0 < rep["cost"]["expected"] <= rep["cost"]["max"]
+    (budget,) = rep["budgets"]
+    assert budget["budget"] == "token_budget" and budget["stops_run"]
+    r = eaglet(tmp_path, "generate", "b", "--dry-run")
+    assert "requests to send: 20" in r.stdout and "credit: $10.00 left" in r.stdout
+    fake.stop()
+    time.sleep(0.1)
+    r = eaglet(tmp_path, "generate", "b", "--dry-run", check=False)
+    assert r.returncode == 2 and "unreachable" in r.stderr
+
+
+# ---------------------------------------------------------------------------- sglang
+
+
+def test_sglang_generate_sends_the_targets_own_prompt_ids(tmp_path, server):
+    fake = server(faults={"500": 0.2, "drop": 0.1}, max_faults=1, api_key=None)
+    fake.keep_bodies = True
+    write_raw(tmp_path, 12)
+    data = api_params(fake.url, {"s": {"path": "data/raw.jsonl", "format": "sharegpt"}})
+    data["backends"] = {
+        "sg": {"kind": "sglang", "url": fake.url, "concurrency": 4, "backoff_s": 0.01},
+        "sgchat": {"kind": "sglang", "url": fake.url, "endpoint": "chat", "backoff_s": 0.01},
+    }
+    data["generation"]["backend"] = "sg"
+    data["datasets"]["c"] = {"path": "data/raw.jsonl", "format": "sharegpt", "backend": "sgchat"}
+    params = setup(tmp_path, data)
+    generate.build(params, "s", quiet=True)
+    tok = load_tokenizer(resolve(SMOLLM2))
+    for rec in records(params, "s"):
+        ids = prompt_ids(tok, rec["messages"])
+        want = sglang_answer(ids, CAP)
+        assert rec["output_ids"] == want["output_ids"] and rec["response"] == want["text"]
+        assert rec["completion_tokens"] == len(want["output_ids"])
+        assert rec["finish_reason"] == want["meta_info"]["finish_reason"]["type"]
+        assert rec["model"] == SMOLLM2 and rec["cost"] is None
+    sent = [b for b in fake.bodies if "input_ids" in b]
+    assert all(b["sampling_params"]["max_new_tokens"] == CAP for b in sent)
+    generate.build(params, "c", quiet=True)  # the OpenAI-compatible route: other keys, no reuse
+    chat = records(params, "c")
+    assert len(chat) == 12 and all(r["output_ids"] is None for r in chat)
+    for rec in chat:
+        assert rec["response"] == openai_answer(rec["messages"], CAP)["text"]
+
+
+def test_unreachable_server_is_a_clean_failure(tmp_path):
+    write_raw(tmp_path, 3)
+    data = api_params("http://127.0.0.1:9", {"a": {"path": "data/raw.jsonl"}}, max_retries=1)
+    params = setup(tmp_path, data)
+    with pytest.raises(EagletError, match=r"3 failed \(first: .*connection failed"):
+        generate.build(params, "a", quiet=True)

@@ -1,0 +1,136 @@
+"""`eaglet status` and `eaglet import-responses`: foreign raw_responses.jsonl in both schemas."""
+
+from __future__ import annotations
+
+import json
+
+from eaglet import generate, status
+from eaglet.io import read_jsonl
+from eaglet.keys import Keys
+from eaglet.params import load
+from eaglet.target import SMOLLM2, load_tokenizer, resolve
+
+from .conftest import write_params
+from .fake_llm import FakeLLM
+from .test_generate import KEY, api_params, eaglet, setup, write_raw
+
+
+def _prompts(params, ds: str) -> list[dict]:
+    return list(read_jsonl(Keys(params).path("prompts", ds)))
+
+
+def _write(path, rows) -> None:
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+
+def _generation(params, ds: str) -> dict:
+    rows = status.collect(params)
+    return next(r for r in rows if r["dataset"] == ds and r["stage"] == "responses")
+
+
+def test_status_reports_a_foreign_raw_responses_file_in_either_schema(tmp_path, monkeypatch):
+    monkeypatch.setenv("EAGLET_TEST_KEY", KEY)
+    fake = FakeLLM(api_key=KEY).start()
+    write_raw(tmp_path, 12)
+    sg = {"path": "data/raw.jsonl", "format": "sharegpt"}
+    data = api_params(fake.url, {"oa": sg, "sgl": {**sg, "backend": "sg", "token_budget": 400}})
+    data["backends"]["sg"] = {"kind": "sglang", "url": fake.url}
+    params = setup(tmp_path, data)
+    oa, sgl = _prompts(params, "oa"), _prompts(params, "sgl")
+
+    # OpenAI style: the conversation ends with the answer, usage carries tokens and cost; the
+    # last line has no usage at all (counted with the target tokenizer)
+    rows = []
+    for i, p in enumerate(oa[:7]):
+        row = {
+            "id": f"row-{i}",
+            "messages": [*p["messages"], {"role": "assistant", "content": f"answer number {i}"}],
+            "finish_reason": "stop",
+        }
+        if i < 6:
+            row["usage"] = {"prompt_tokens": 30, "completion_tokens": 10 + i, "cost": 0.001 * i}
+        rows.append(row)
+    _write(tmp_path / "raw_openai.jsonl", rows)
+    tok = load_tokenizer(resolve(SMOLLM2))
+    tokens_oa = sum(10 + i for i in range(6)) + len(tok("answer number 6")["input_ids"])
+
+    # SGLang style: ShareGPT conversations, text + output_ids + meta_info
+    rows = []
+    for i, p in enumerate(sgl[:5]):
+        ids = list(range(100, 100 + 20 * (i + 1)))
+        human = [{"from": "human", "value": m["content"]} for m in p["messages"]]
+        rows.append(
+            {
+                "conversations": human,
+                "text": f"sglang {i}",
+                "output_ids": ids,
+                "meta_info": {"prompt_tokens": 40, "finish_reason": {"type": "length"}},
+            }
+        )
+    _write(tmp_path / "raw_sglang.jsonl", rows)
+    tokens_sg = sum(20 * (i + 1) for i in range(5))
+
+    r = eaglet(tmp_path, "import-responses", "oa", "raw_openai.jsonl")
+    assert "7 records (7 openai), 7 new in the store, 7 are prompts of oa" in r.stdout
+    r = eaglet(tmp_path, "import-responses", "sgl", "raw_sglang.jsonl")
+    assert "5 records (5 sglang), 5 new" in r.stdout and f"{tokens_sg} completion" in r.stdout
+
+    g = _generation(params, "oa")["generation"]
+    assert (g["prompts"], g["done"], g["failed"], g["tokens"]) == (12, 7, 0, tokens_oa)
+    assert abs(g["cost"] - 0.015) < 1e-12
+    assert g["target"] == {"by": "samples", "of": 12, "have": 7, "pct": 58.3}
+    g = _generation(params, "sgl")["generation"]
+    assert (g["done"], g["tokens"]) == (5, tokens_sg) and g["target"]["by"] == "token_budget"
+    assert g["target"]["pct"] == round(100 * tokens_sg / 400, 1)
+    r = eaglet(tmp_path, "status")
+    assert f"7/12 answered, {tokens_oa:,} tok (58% of prompts)" in r.stdout
+    assert json.loads(eaglet(tmp_path, "status", "--json").stdout)[1]["generation"]["done"] == 7
+
+    # a generation then pays only for what the file lacked, and keeps the imported answers
+    generate.build(params, "oa", quiet=True)
+    assert len(fake.sent) == 5
+    recs = list(read_jsonl(Keys(params).path("responses", "oa")))
+    assert [x["response"] for x in recs[:7]] == [f"answer number {i}" for i in range(7)]
+    fake.stop()
+
+
+def test_import_rejects_a_bad_line_and_imports_nothing(tmp_path, monkeypatch):
+    monkeypatch.setenv("EAGLET_TEST_KEY", KEY)
+    write_raw(tmp_path, 4)
+    params = setup(tmp_path, api_params("http://127.0.0.1:9", {"a": {"path": "data/raw.jsonl"}}))
+    p = _prompts(params, "a")[0]
+    good = {"prompt": p["messages"], "response": "fine", "completion_tokens": 3}
+    bad = {"prompt": p["messages"], "response": "x", "output_ids": ["not", "ids"]}
+    _write(tmp_path / "raw.jsonl", [good, bad])
+    r = eaglet(tmp_path, "import-responses", "a", "raw.jsonl", check=False)
+    assert r.returncode == 2
+    assert "raw.jsonl:2: output_ids: expected a list of integers" in r.stderr
+    assert _generation(params, "a")["generation"]["done"] == 0
+
+
+def test_artifact_states_missing_up_to_date_stale(tmp_path, monkeypatch):
+    monkeypatch.setenv("EAGLET_TEST_KEY", KEY)
+    fake = FakeLLM(api_key=KEY).start()
+    write_raw(tmp_path, 5)
+    data = api_params(fake.url, {"a": {"path": "data/raw.jsonl", "format": "sharegpt"}})
+    write_params(tmp_path, data)
+    params = load(tmp_path / "params.yaml")
+    assert [r["state"] for r in status.collect(params) if r["stage"] != "hidden"] == [
+        "missing",
+        "missing",
+    ]
+    params = setup(tmp_path, data)
+    generate.build(params, "a", quiet=True)
+    assert [r["state"] for r in status.collect(params) if r["stage"] != "hidden"] == [
+        "up to date",
+        "up to date",
+    ]
+    data["generation"]["max_new_tokens"] = 8  # older params built the responses
+    write_params(tmp_path, data)
+    assert [
+        r["state"] for r in status.collect(load(tmp_path / "params.yaml")) if r["stage"] != "hidden"
+    ] == [
+        "up to date",
+        "stale",
+    ]
+    fake.stop()
