@@ -105,7 +105,7 @@ def main() -> None:
     target_model = load_model(spec, "cpu", "float32")
     stop = set(stop_ids(load_tokenizer(spec), target_model))
     _, held = drafter_data.split(readers, d["heldout_fraction"])
-    prompts = [p for i, s in held if (p := evaluate.prompt_of(readers[i].get(s)))][: args.prompts]
+    prompts = evaluate.heldout_prompts(readers, held, args.prompts)
     target = speculative.Target(target_model, list(model.cfg.aux_layer_ids))
     decode = {"num_steps": [3, 7], "max_new_tokens": d["evaluate"]["max_new_tokens"]}
     real = evaluate.decode_all(target, model, prompts, decode, stop, quiet=True)

@@ -133,9 +133,26 @@ def test_comment_only_edit_reruns_nothing_and_real_edit_reruns_downstream(repo):
     hidden = repo / "src" / "eaglet" / "hidden.py"
     old_hidden = _edit(hidden, "{old}\n\nUNUSED = 2\n")
     try:  # a real edit in the hidden-states module: hidden and downstream only
-        assert planned(repo) == {"hidden": 2, "all": 1}
+        assert planned(repo) == {"hidden": 2, **DRAFTER, "all": 1}
     finally:
         hidden.write_text(old_hidden)
+
+
+def test_deleted_checkpoint_rebuilds_byte_identical(repo):
+    ckpt = Path(eaglet(repo, "path", "train", "d").strip())
+    files = sorted(p for p in ckpt.rglob("*") if p.is_file())
+    before = {p.relative_to(ckpt): p.read_bytes() for p in files}
+    sidecar = json.loads(ckpt.with_suffix(".json").read_text())
+    shutil.rmtree(ckpt)
+    assert planned(repo) == {"train": 1, "all": 1}  # evaluate and exports read it as ancient
+    smk(repo)
+    after = {p.relative_to(ckpt): p.read_bytes() for p in ckpt.rglob("*") if p.is_file()}
+    assert sorted(after) == sorted(before) and "model.safetensors" in {str(p) for p in after}
+    assert all(after[p] == before[p] for p in before)  # seeded CPU training is deterministic
+    again = json.loads(ckpt.with_suffix(".json").read_text())
+    assert again["provenance"] == sidecar["provenance"]
+    assert again["stats"]["final_loss"] == sidecar["stats"]["final_loss"]
+    assert planned(repo) == {}
 
 
 def test_fresh_clone_plus_dvc_pull_is_up_to_date(repo, tmp_path):

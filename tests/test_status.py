@@ -134,3 +134,30 @@ def test_artifact_states_missing_up_to_date_stale(tmp_path, monkeypatch):
         "stale",
     ]
     fake.stop()
+
+
+def test_gc_removes_other_keys_and_their_leftovers_but_not_the_current_partial(
+    tmp_path, monkeypatch
+):
+    from eaglet.artifacts import gc
+
+    monkeypatch.setenv("EAGLET_TEST_KEY", KEY)
+    fake = FakeLLM(api_key=KEY).start()
+    write_raw(tmp_path, 5)
+    data = api_params(fake.url, {"a": {"path": "data/raw.jsonl", "format": "sharegpt"}})
+    params = setup(tmp_path, data)
+    generate.build(params, "a", quiet=True)
+    fake.stop()
+    keys = Keys(params)
+    hidden = keys.path("hidden", "a")
+    current = hidden.parent / f".{hidden.name}.partial"
+    old = hidden.parent / ".0123456789ab.partial"
+    tmp = keys.path("responses", "a").parent / ".0123456789ab.jsonl.zst.tmp-x1"
+    for d in (current, old):
+        (d / "journal").mkdir(parents=True)
+    tmp.write_bytes(b"half")
+    planned = {a.path: a.state for a in gc(keys, dry_run=True)}
+    assert planned == {old: "unfinished", tmp: "unfinished"}
+    gc(keys)
+    assert current.is_dir() and not old.exists() and not tmp.exists()
+    assert keys.path("responses", "a").exists()

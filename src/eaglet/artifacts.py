@@ -18,6 +18,9 @@ from eaglet.io import read_json
 from eaglet.keys import STAGES, Keys
 
 KEY_RE = re.compile(r"^[0-9a-f]{12}$")
+# what an interrupted build leaves: hidden's `.<key>.partial/`, train's `.<key>.work/`, atomic
+# writes' `.<key><ext>.tmp-*`; the current key's are kept (a rerun resumes from them)
+LEFTOVER_RE = re.compile(r"^\.(?P<key>[0-9a-f]{12})[^/]*\.(partial|work|tmp-[^/]*)$")
 
 
 @dataclass
@@ -27,7 +30,9 @@ class Artifact:
     key: str
     path: Path
     sidecar: Path
-    state: str  # "current", "other-code" (same params, other code key), "other" or "incomplete"
+    # "current", "other-code" (same params, other code key), "other", "incomplete" (a sidecar
+    # without its artifact) or "unfinished" (what an interrupted build of another key left)
+    state: str
     provenance: dict = field(default_factory=dict)
     stats: dict = field(default_factory=dict)
 
@@ -73,6 +78,11 @@ def scan(keys: Keys) -> list[Artifact]:
                 found.append(
                     Artifact(stage, name, key, path, sidecar, state, prov, meta.get("stats", {}))
                 )
+            for left in sorted(folder.glob(".*")):
+                m = LEFTOVER_RE.match(left.name)
+                if m and m["key"] != current["key"]:
+                    nothing = left.with_name(f"{left.name}.json")  # a leftover has no sidecar
+                    found.append(Artifact(stage, name, m["key"], left, nothing, "unfinished"))
     return found
 
 

@@ -12,6 +12,7 @@ acceptance per position and of the training loss.
 from __future__ import annotations
 
 import csv
+import itertools
 import time
 from pathlib import Path
 
@@ -32,6 +33,15 @@ def prompt_of(sample: dict) -> list[int] | None:
     """The prompt ids of a sample: everything before its first assistant token."""
     first = sample["loss_mask"].nonzero()
     return sample["input_ids"][: int(first[0])].tolist() if len(first) else None
+
+
+def heldout_prompts(readers: list, held: list, n: int) -> list[list[int]]:
+    """Up to n held-out prompts, taken from the drafter's datasets in turn."""
+    per_dataset = [[sid for i, sid in held if i == r] for r in range(len(readers))]
+    turns = itertools.chain.from_iterable(itertools.zip_longest(*per_dataset))
+    ordered = [(r % len(readers), sid) for r, sid in enumerate(turns)]
+    prompts = (prompt_of(readers[r].get(sid)) for r, sid in ordered if sid is not None)
+    return list(itertools.islice((p for p in prompts if p is not None), n))
 
 
 @torch.no_grad()
@@ -163,11 +173,7 @@ def build(
     stop = set(stop_ids(load_tokenizer(spec), target_model))
     model.to(next(target_model.parameters()).device)
     target = speculative.Target(target_model, list(model.cfg.aux_layer_ids))
-    prompts = []
-    for i, sid in held:
-        p = prompt_of(readers[i].get(sid))
-        if p is not None and len(prompts) < cfg["prompts"]:
-            prompts.append(p)
+    prompts = heldout_prompts(readers, held, cfg["prompts"])
     if not prompts:
         raise EagletError(
             f"drafters.{drafter}: no held-out prompts to decode (heldout_fraction "
