@@ -1,6 +1,7 @@
 # eaglet: prompts -> responses -> hidden states -> drafter -> evaluation, per dataset.
 # params.yaml is the one source of truth; every output sits at a content-keyed path.
 #   snakemake --cores 2                      # build everything params.yaml defines
+# `all` names every keyed artifact: one deleted is rebuilt alone (its consumers read it ancient)
 #   snakemake --config params=other.yaml -n  # plan another params file
 
 
@@ -16,8 +17,8 @@ include: "rules/export.smk"
 
 rule all:
     input:
-        [keyed("hidden", ds) for ds in DATASETS],
-        [keyed(stage, d) for d in PARAMS.drafters for stage in ("evaluate", "sglang", "vllm")],
+        [keyed(stage, ds) for ds in DATASETS for stage in DATASET_STAGES],
+        [keyed(stage, d) for d in PARAMS.drafters for stage in DRAFTER_STAGES],
     default_target: True
 
 

@@ -6,7 +6,7 @@ import sys
 from snakemake.utils import min_version
 
 from eaglet.errors import EagletError
-from eaglet.keys import Keys
+from eaglet.keys import STAGES, Keys
 from eaglet.params import load
 
 min_version("9.0")
@@ -18,6 +18,8 @@ try:
 except EagletError as e:
     sys.exit(f"eaglet: error: {e}")
 DATASETS = PARAMS.datasets
+DATASET_STAGES = [s.name for s in STAGES.values() if s.kind == "dataset"]
+DRAFTER_STAGES = [s.name for s in STAGES.values() if s.kind == "drafter"]
 EAGLET = f"{sys.executable} -m eaglet"
 
 

@@ -46,7 +46,7 @@ def tiny_params(**generation) -> dict:
             "d": {
                 "datasets": ["sg", "dolly"],
                 "draft_vocab_size": 512,
-                "heldout_fraction": 0.3,
+                "heldout_fraction": 0.4,
                 "train": {"ttt_length": 2, "epochs": 2, "batch_size": 2, "lr": 1e-3},
                 "evaluate": {"num_steps": [2], "prompts": 2, "max_new_tokens": 6},
             }
