@@ -30,15 +30,40 @@ SHARDS = 200
 PLAIN_REAL = """
 configfile: "params.yaml"
 DATASETS = list(config["datasets"])
+DRAFTERS = list(config["drafters"])
 rule all:
-    input: expand("data/responses/{ds}.jsonl.zst", ds=DATASETS)
+    input:
+        expand("data/{stage}/{ds}", stage=["prompts", "responses", "hidden"], ds=DATASETS),
+        expand("models/{d}/{stage}", stage=["vocab", "train", "evaluate", "sglang", "vllm"],
+               d=DRAFTERS),
 rule prompts:
     input: lambda wc: config["datasets"][wc.ds]["path"]
-    output: "data/prompts/{ds}.jsonl.zst"
+    output: "data/prompts/{ds}"
     shell: "touch {output}"
 rule responses:
-    input: "data/prompts/{ds}.jsonl.zst"
-    output: "data/responses/{ds}.jsonl.zst"
+    input: "data/prompts/{ds}"
+    output: "data/responses/{ds}"
+    shell: "touch {output}"
+rule hidden:
+    input: "data/responses/{ds}"
+    output: "data/hidden/{ds}"
+    shell: "touch {output}"
+rule vocab:
+    input: lambda wc: expand("data/hidden/{ds}", ds=config["drafters"][wc.d]["datasets"])
+    output: "models/{d}/vocab"
+    shell: "touch {output}"
+rule train:
+    input: "models/{d}/vocab"
+    output: "models/{d}/train"
+    shell: "touch {output}"
+rule evaluate:
+    input: "models/{d}/train"
+    output: "models/{d}/evaluate"
+    shell: "touch {output}"
+rule export:
+    input: "models/{d}/train"
+    output: "models/{d}/{fmt}"
+    wildcard_constraints: fmt="sglang|vllm"
     shell: "touch {output}"
 """
 

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import ast
 import hashlib
-import importlib.util
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import cache
@@ -59,18 +58,31 @@ def code_key(module: str) -> str:
     return h.hexdigest()[:KEY_LEN]
 
 
+PACKAGE = Path(__file__).resolve().parent
+
+
+def _file(module: str) -> Path | None:
+    """The source file of an eaglet module, found on disk: find_spec would import the parent
+    packages of a dotted name (and so torch, at Snakefile parse time)."""
+    parts = module.split(".")
+    if parts[0] != "eaglet":
+        return None
+    base = PACKAGE.joinpath(*parts[1:])
+    for path in (base.with_suffix(".py"), base / "__init__.py"):
+        if path.is_file():
+            return path
+    return None
+
+
 def _source(module: str) -> Path:
-    spec = importlib.util.find_spec(module)
-    if spec is None or spec.origin is None:
+    path = _file(module)
+    if path is None:
         raise EagletError(f"code key: module {module} not found")
-    return Path(spec.origin)
+    return path
 
 
 def _is_module(name: str) -> bool:
-    try:
-        return importlib.util.find_spec(name) is not None
-    except (ImportError, ValueError):
-        return False
+    return _file(name) is not None
 
 
 @cache
