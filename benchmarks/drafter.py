@@ -32,7 +32,7 @@ from eaglet.chat import stop_ids  # noqa: E402
 from eaglet.drafter import DrafterConfig  # noqa: E402
 from eaglet.keys import Keys  # noqa: E402
 from eaglet.params import load  # noqa: E402
-from eaglet.target import load_config, load_head, load_model, load_tokenizer, resolve  # noqa: E402
+from eaglet.target import load_config, load_head, load_model, load_tokenizer, spec_of  # noqa: E402
 
 
 def pressure() -> str:
@@ -58,8 +58,7 @@ def main() -> None:
     d = params.drafter(args.drafter)
     prov = Keys(params).provenance("train", args.drafter)
     hp = prov["params"]["train"] | {"heldout_fraction": d["heldout_fraction"]}
-    t = params.target
-    spec = resolve(t["model"], t.get("revision"), params.root)
+    spec = spec_of(params)
     size = d["draft_vocab_size"]
     d2t, t2d = vocab.select(
         vocab.count_tokens(readers, readers[0].manifest["target"]["vocab_size"]), size

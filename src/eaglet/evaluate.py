@@ -26,7 +26,7 @@ from eaglet.io import atomic_path, write_json
 from eaglet.keys import Keys, sidecar_of
 from eaglet.params import Params
 from eaglet.progress import Progress
-from eaglet.target import load_model, load_tokenizer, resolve
+from eaglet.target import load_model, load_tokenizer, spec_of
 
 
 def prompt_of(sample: dict) -> list[int] | None:
@@ -167,8 +167,7 @@ def build(
     _, held = drafter_data.split(readers, d["heldout_fraction"])
     trained = keys.path("train", drafter)
     model = train.load(trained)
-    t = params.target
-    spec = resolve(t["model"], t.get("revision"), params.root)
+    spec = spec_of(params)
     target_model = load_model(spec, cfg["device"], cfg["dtype"])
     stop = set(stop_ids(load_tokenizer(spec), target_model))
     model.to(next(target_model.parameters()).device)

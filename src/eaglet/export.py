@@ -29,7 +29,7 @@ from eaglet.errors import EagletError
 from eaglet.io import atomic_path, read_json, write_json
 from eaglet.keys import Keys, sidecar_of
 from eaglet.params import Params
-from eaglet.target import load_config, materialize, resolve
+from eaglet.target import load_config, materialize, spec_of
 
 FORMATS = ("sglang", "vllm")
 DTYPE = "bfloat16"  # what both engines serve drafts in
@@ -318,8 +318,7 @@ def build(params: Params, drafter: str, fmt: str, out: Path | None = None) -> tu
     if not trained.exists():
         raise EagletError(f"drafters.{drafter}: not trained yet: {trained}")
     model = train.load(trained)
-    t = params.target
-    spec = resolve(t["model"], t.get("revision"), params.root)
+    spec = spec_of(params)
     target = materialize(spec)
     verifier = {"name_or_path": target, "architectures": load_config(spec).architectures}
     num_steps = min(params.drafter(drafter)["evaluate"]["num_steps"])

@@ -130,10 +130,9 @@ def import_file(params: Params, dataset: str, path: Path) -> dict:
 
     def count(text: str) -> int:
         if not tokenizer:
-            from eaglet.target import load_tokenizer, resolve
+            from eaglet.target import load_tokenizer, spec_of
 
-            t = params.target
-            tokenizer.append(load_tokenizer(resolve(t["model"], t.get("revision"), params.root)))
+            tokenizer.append(load_tokenizer(spec_of(params)))
         return len(tokenizer[0](text, add_special_tokens=False)["input_ids"])
 
     summary = {"records": 0, "new": 0, "in_dataset": 0, "completion_tokens": 0, "cost": 0.0}

@@ -32,7 +32,7 @@ from eaglet.io import dumps, read_jsonl, write_json
 from eaglet.keys import Keys, sidecar_of
 from eaglet.params import Params
 from eaglet.progress import Progress
-from eaglet.target import TargetSpec, load_tokenizer, materialize, resolve
+from eaglet.target import TargetSpec, load_tokenizer, materialize, spec_of
 
 # Largest per-token relative error (L2 over a row) that --verify accepts: the storage's own
 # rounding, or the noise of recomputing a sequence alone instead of in a batch, whichever is
@@ -66,7 +66,7 @@ class Target:
         from transformers import AutoConfig
 
         t = params.target
-        self.spec: TargetSpec = resolve(t["model"], t.get("revision"), params.root)
+        self.spec: TargetSpec = spec_of(params)
         self.tokenizer = load_tokenizer(self.spec)
         folder = materialize(self.spec)
         self.config = AutoConfig.from_pretrained(folder, revision=self.spec.revision)

@@ -21,7 +21,7 @@ from eaglet.errors import EagletError
 from eaglet.hashing import file_digest
 from eaglet.io import dumps
 from eaglet.params import Params
-from eaglet.target import resolve
+from eaglet.target import spec_of
 
 KEY_LEN = 12
 
@@ -146,8 +146,7 @@ class Keys:
 
     def target_identity(self) -> dict:
         if self._target is None:
-            t = self.params.target
-            self._target = resolve(t["model"], t.get("revision"), self.params.root).identity()
+            self._target = spec_of(self.params).identity()
         return self._target
 
     def provenance(self, stage: str, name: str) -> dict:

@@ -79,10 +79,9 @@ def build(params: Params, dataset: str, out: Path | None = None) -> Path:
     limit = prov["params"]["max_prompt_tokens"]
     if limit:
         from eaglet.chat import prompt_ids
-        from eaglet.target import load_tokenizer, resolve
+        from eaglet.target import load_tokenizer, spec_of
 
-        t = params.target
-        tok = load_tokenizer(resolve(t["model"], t.get("revision"), params.root))
+        tok = load_tokenizer(spec_of(params))
 
         def too_long(messages: list[dict]) -> bool:
             return len(prompt_ids(tok, messages)) > limit

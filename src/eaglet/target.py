@@ -65,6 +65,12 @@ def resolve(model: str, revision: str | None = None, base: Path | None = None) -
     raise EagletError(f"target.model: '{model}' is not a built-in alias, a folder or an HF id")
 
 
+def spec_of(params: Any) -> TargetSpec:
+    """The target named in params.yaml (`target.model`, `target.revision`), resolved."""
+    t = params.target
+    return resolve(t["model"], t.get("revision"), params.root)
+
+
 def materialize(spec: TargetSpec) -> str:
     """A folder or hub id `from_pretrained` can load; converts a GGUF once into the cache."""
     if spec.kind != "gguf":

@@ -41,7 +41,7 @@ from eaglet.io import atomic_path, write_json, write_text
 from eaglet.keys import Keys, sidecar_of
 from eaglet.params import Params
 from eaglet.progress import Progress
-from eaglet.target import load_config, load_head, resolve
+from eaglet.target import load_config, load_head, spec_of
 
 
 def shift(x: Tensor, n: int) -> Tensor:
@@ -386,8 +386,7 @@ def build(
     out = Path(out) if out else keys.path("train", drafter)
     readers = drafter_data.open_readers(params, drafter)
     d2t, t2d = vocab.load(keys.path("vocab", drafter))
-    t = params.target
-    spec = resolve(t["model"], t.get("revision"), params.root)
+    spec = spec_of(params)
     manifest = readers[0].manifest
     cfg = DrafterConfig.from_target(
         load_config(spec), len(d2t), manifest["aux_layer_ids"]["sglang"]

@@ -32,11 +32,10 @@ class Backend(Protocol):
 
 def make_backend(params: Params, name: str, threads: int | None = None) -> Backend:
     """Build the backend `name` of params.yaml."""
-    from eaglet.target import load_tokenizer, resolve
+    from eaglet.target import load_tokenizer, spec_of
 
     cfg = params.backend(name)
-    t = params.target
-    spec = resolve(t["model"], t.get("revision"), params.root)
+    spec = spec_of(params)
     if cfg["kind"] == "transformers":
         from eaglet.backends.transformers import TransformersBackend
 
