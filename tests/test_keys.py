@@ -1,3 +1,4 @@
+import json
 import shutil
 import subprocess
 import sys
@@ -21,7 +22,7 @@ def test_closure_follows_eaglet_imports_only():
     assert "eaglet.generate" not in mods
 
 
-def _code_keys(pkg_root):
+def _code_keys(pkg_root, cache=None):
     """Code keys computed in a fresh interpreter that imports eaglet from `pkg_root`."""
     code = (
         "from eaglet.keys import code_key\n"
@@ -32,21 +33,39 @@ def _code_keys(pkg_root):
         capture_output=True,
         text=True,
         check=True,
-        env={"PYTHONPATH": str(pkg_root), "PATH": "/usr/bin:/bin"},
+        env={"PYTHONPATH": str(pkg_root), "PATH": "/usr/bin:/bin", "EAGLET_CACHE": str(cache)},
     )
     return out.stdout.split()
 
 
+def test_code_key_cache_is_keyed_by_content(tmp_path):
+    shutil.copytree(ROOT / "src" / "eaglet", tmp_path / "eaglet")
+    cache = tmp_path / "cache"
+    cold = _code_keys(tmp_path, cache)
+    [stored] = cache.glob("code-ast-py*.json")
+    assert len(json.loads(stored.read_text())) >= 10  # one entry per module parsed
+    assert _code_keys(tmp_path, cache) == cold  # warm: read back, same keys
+    gen = tmp_path / "eaglet" / "generate.py"
+    gen.write_text(gen.read_text() + "\nRETRY_NOTE = 1\n")
+    edited = _code_keys(tmp_path, cache)
+    assert edited[0] == cold[0] and edited[1] != cold[1]  # new bytes miss the cache
+    stored.write_text("{not json")
+    assert _code_keys(tmp_path, cache) == edited  # a corrupt cache only costs a re-parse
+    assert json.loads(stored.read_text())  # and is rewritten whole
+
+
 def test_code_key_ignores_comments_and_formatting_not_code(tmp_path):
     shutil.copytree(ROOT / "src" / "eaglet", tmp_path / "eaglet")
-    before = _code_keys(tmp_path)
+    before = _code_keys(tmp_path, tmp_path / "cache")
     readers = tmp_path / "eaglet" / "readers.py"
     src = readers.read_text()
     readers.write_text("# a new comment\n" + src.replace("\n\n\n", "\n\n\n\n") + "\n# trailing\n")
-    assert _code_keys(tmp_path) == before  # comments, blank lines: nothing changes
+    assert (
+        _code_keys(tmp_path, tmp_path / "cache") == before
+    )  # comments, blank lines: nothing changes
     fmt = tmp_path / "eaglet" / "formats.py"
     fmt.write_text(fmt.read_text() + "\n\ndef _new_helper():\n    return 1\n")
-    after = _code_keys(tmp_path)
+    after = _code_keys(tmp_path, tmp_path / "cache")
     assert after[0] != before[0]  # prompts imports formats: its key moves
     assert after[1] == before[1]  # generate does not: its key stays
 

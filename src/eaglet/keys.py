@@ -10,7 +10,10 @@ every eaglet module it imports, transitively: comments and formatting change not
 from __future__ import annotations
 
 import ast
+import contextlib
 import hashlib
+import json
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import cache
@@ -18,8 +21,8 @@ from pathlib import Path
 
 from eaglet import __version__
 from eaglet.errors import EagletError
-from eaglet.hashing import file_digest
-from eaglet.io import dumps
+from eaglet.hashing import cache_dir, file_digest
+from eaglet.io import dumps, write_json
 from eaglet.params import Params
 from eaglet.target import spec_of
 
@@ -49,15 +52,18 @@ STAGES: dict[str, Stage] = {
 }
 
 
-@cache
 def code_key(module: str) -> str:
     """Hash of the normalized AST of `module` and the eaglet modules it imports (transitively)."""
-    h = hashlib.sha256()
-    for name in sorted(_closure(module)):
-        h.update(f"{name}\0{_ast_digest(name)}\n".encode())
-    return h.hexdigest()[:KEY_LEN]
+    if module not in _CODE_KEYS:
+        h = hashlib.sha256()
+        for name in sorted(_closure(module)):
+            h.update(f"{name}\0{_facts(name)[0]}\n".encode())
+        _CODE_KEYS[module] = h.hexdigest()[:KEY_LEN]
+        _AST_CACHE.save()
+    return _CODE_KEYS[module]
 
 
+_CODE_KEYS: dict[str, str] = {}
 PACKAGE = Path(__file__).resolve().parent
 
 
@@ -81,13 +87,49 @@ def _source(module: str) -> Path:
     return path
 
 
-def _is_module(name: str) -> bool:
-    return _file(name) is not None
+class _AstCache:
+    """(AST digest, imported names) of a module, on disk under the SHA-256 of its name and bytes:
+    a pure function of the source, so a hit is always right, and a parse costs ~10 ms a module
+    at every Snakefile parse otherwise. Unreadable or unwritable only costs re-parsing."""
+
+    def __init__(self) -> None:
+        self.path = cache_dir() / f"code-ast-py{sys.version_info[0]}{sys.version_info[1]}.json"
+        self.entries: dict[str, list] | None = None
+        self.dirty = False
+
+    def get(self, stamp: str) -> list | None:
+        if self.entries is None:
+            try:
+                self.entries = json.loads(self.path.read_text())
+            except (OSError, ValueError):
+                self.entries = {}
+        return self.entries.get(stamp)
+
+    def put(self, stamp: str, facts: list) -> None:
+        self.get(stamp)
+        self.entries[stamp] = facts
+        self.dirty = True
+
+    def save(self) -> None:
+        if self.dirty:
+            with contextlib.suppress(OSError):
+                write_json(self.path, self.entries)
+            self.dirty = False
+
+
+_AST_CACHE = _AstCache()
 
 
 @cache
-def _tree(module: str) -> ast.Module:
-    tree = ast.parse(_source(module).read_text(encoding="utf-8"))
+def _facts(module: str) -> tuple[str, tuple[tuple[str, str], ...]]:
+    """The module's AST digest (docstrings stripped) and its imports as (name, fallback) pairs:
+    `from eaglet.x import y` is module eaglet.x.y if that file exists, else names in eaglet.x."""
+    source = _source(module).read_bytes()
+    stamp = hashlib.sha256(module.encode() + b"\0" + source).hexdigest()
+    hit = _AST_CACHE.get(stamp)
+    if hit is not None:
+        return hit[0], tuple((a, b) for a, b in hit[1])
+    tree = ast.parse(source)
     for node in ast.walk(tree):
         body = getattr(node, "body", None)
         if (
@@ -98,32 +140,32 @@ def _tree(module: str) -> ast.Module:
             and isinstance(body[0].value.value, str)
         ):
             node.body = body[1:] or [ast.Pass()]
-    return tree
+    digest = hashlib.sha256(ast.dump(tree).encode()).hexdigest()
+    imports = tuple(sorted(_import_names(module, tree)))
+    _AST_CACHE.put(stamp, [digest, [list(pair) for pair in imports]])
+    return digest, imports
 
 
-def _ast_digest(module: str) -> str:
-    return hashlib.sha256(ast.dump(_tree(module)).encode()).hexdigest()
-
-
-def _imports(module: str) -> set[str]:
-    """eaglet modules imported anywhere in `module` (top level or inside functions)."""
+def _import_names(module: str, tree: ast.Module) -> set[tuple[str, str]]:
+    """eaglet imports anywhere in `module` (top level or inside functions), unresolved."""
     found = set()
     package = module if _source(module).name == "__init__.py" else module.rpartition(".")[0]
-    for node in ast.walk(_tree(module)):
+    for node in ast.walk(tree):
         if isinstance(node, ast.Import):
-            found.update(a.name for a in node.names)
+            found.update((a.name, a.name) for a in node.names)
         elif isinstance(node, ast.ImportFrom):
             base = node.module or ""
             if node.level:
                 parts = package.split(".")
                 parent = ".".join(parts[: len(parts) - node.level + 1])
                 base = f"{parent}.{base}" if base else parent
-            if base != "eaglet" and not base.startswith("eaglet."):
-                continue  # never import a third-party package just to hash our code
-            for alias in node.names:
-                sub = f"{base}.{alias.name}"
-                found.add(sub if _is_module(sub) else base)
-    return {m for m in found if m == "eaglet" or m.startswith("eaglet.")}
+            found.update((f"{base}.{alias.name}", base) for alias in node.names)
+    return {(a, b) for a, b in found if b == "eaglet" or b.startswith("eaglet.")}
+
+
+def _imports(module: str) -> set[str]:
+    """eaglet modules `module` imports; never a third-party package imported to hash our code."""
+    return {name if _file(name) else fallback for name, fallback in _facts(module)[1]}
 
 
 def _closure(module: str) -> set[str]:
