@@ -178,6 +178,14 @@ def measure(label: str, a: Path, b: Path, runs: int) -> dict:
     return rows
 
 
+def startup() -> float:
+    t = time.perf_counter()
+    subprocess.run(
+        [sys.executable, "-m", "snakemake", "--version"], check=True, capture_output=True
+    )
+    return time.perf_counter() - t
+
+
 def cpu_pressure() -> str:
     try:
         return Path("/proc/pressure/cpu").read_text().splitlines()[0]
@@ -196,7 +204,9 @@ def main() -> None:
         measure(f"synthetic 8 x {SHARDS} x 3", *synth_projects(tmp), args.runs)
     print(f"cpu pressure after:  {cpu_pressure()}")
     noop = real["no-op"][0]
+    floor = statistics.median(startup() for _ in range(args.runs))
     print(f"absolute no-op, 8 datasets: {noop:.2f} s (target < 1.5 s)")
+    print(f"snakemake --version alone:  {floor:.2f} s (Snakemake's own start, the floor)")
 
 
 if __name__ == "__main__":

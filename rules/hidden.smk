@@ -11,7 +11,7 @@ rule hidden:
     threads: 2
     resources:
         mem_mb=6000,
-        gpu=int(PARAMS.data["hidden"]["device"].startswith("cuda")),
+        gpu=gpus(PARAMS.data["hidden"]["device"]),
     params:
         eaglet=EAGLET,
         file=PARAMS_FILE,
