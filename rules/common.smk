@@ -55,9 +55,24 @@ def drafter_upstream(*stages):
     return inputs
 
 
-def gpus(device):
-    """The `gpu` resource of a rule running on `device`."""
-    return int(device.startswith("cuda"))
+def launcher(processes):
+    """The command that starts eaglet: plain, or torchrun with `processes` DDP processes on
+    this node (one per GPU); the rule's `gpu` resource asks the scheduler for as many."""
+    if processes == 1:
+        return EAGLET
+    run = f"{sys.executable} -m torch.distributed.run --standalone --nproc-per-node {processes}"
+    return f"{run} -m eaglet"
+
+
+def placement(drafter, stage):
+    """(device, processes) of a drafter stage's settings."""
+    settings = PARAMS.drafter(drafter)[stage]
+    return settings["device"], settings.get("processes", 1)
+
+
+def gpus(device, processes=1):
+    """The `gpu` resource of a rule running `processes` processes on `device`."""
+    return processes if device.startswith("cuda") else 0
 
 
 def remote_backend(dataset):

@@ -11,7 +11,7 @@ rule evaluate:
     threads: 2
     resources:
         mem_mb=6000,
-        gpu=lambda wc: gpus(PARAMS.drafter(wc.drafter)["evaluate"]["device"]),
+        gpu=lambda wc: gpus(*placement(wc.drafter, "evaluate")),
     params:
         eaglet=EAGLET,
         file=PARAMS_FILE,

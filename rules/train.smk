@@ -1,4 +1,4 @@
-# One process here; for several GPUs run `torchrun --nproc-per-node N -m eaglet train DRAFTER`.
+# `train.processes` above 1 runs DDP under torchrun on one node, one process per GPU.
 rule train:
     input:
         drafter_upstream("vocab"),
@@ -12,9 +12,9 @@ rule train:
     threads: 2
     resources:
         mem_mb=8000,
-        gpu=lambda wc: gpus(PARAMS.drafter(wc.drafter)["train"]["device"]),
+        gpu=lambda wc: gpus(*placement(wc.drafter, "train")),
     params:
-        eaglet=EAGLET,
+        eaglet=lambda wc: launcher(placement(wc.drafter, "train")[1]),
         file=PARAMS_FILE,
     conda:
         "../envs/eaglet.yaml"
@@ -22,3 +22,4 @@ rule train:
         "{params.eaglet} train {wildcards.drafter} --params {params.file:q} "
         "--out {output.model:q} --key {wildcards.key} --threads {threads} --quiet "
         "> {log:q} 2>&1"
+

@@ -16,6 +16,9 @@ from pathlib import Path
 
 import pytest
 
+from eaglet.keys import Keys
+from eaglet.params import load
+
 from .conftest import ROOT, tiny_params, write_params
 
 pytestmark = pytest.mark.slow
@@ -209,3 +212,29 @@ def test_compare_two_revisions(repo):
 def test_slurm_profile_dry_run(repo):
     out = smk(repo, "--profile", "profiles/slurm", "-n", "--forceall")
     assert "rule responses" in out and "This was a dry-run" in out
+
+
+def test_ddp_training_runs_under_torchrun_and_enters_the_key(tmp_path):
+    for rel in COPY:
+        (shutil.copytree if (ROOT / rel).is_dir() else shutil.copy)(ROOT / rel, tmp_path / rel)
+    data = tiny_params()
+    write_params(tmp_path, data)
+    one = Keys(load(tmp_path / "params.yaml")).key("train", "d")
+    mismatch = subprocess.run(
+        [sys.executable, "-m", "eaglet", "train", "d", "--params", "params.yaml"],
+        cwd=tmp_path,
+        env={**os.environ, "PYTHONPATH": str(tmp_path / "src"), "WORLD_SIZE": "2"},
+        capture_output=True,
+        text=True,
+    )
+    assert mismatch.returncode != 0
+    assert "drafters.d.train.processes is 1 but 2 processes run" in mismatch.stderr
+    assert len(mismatch.stderr.strip().splitlines()) == 1
+
+    data["drafters"]["d"]["train"].update(processes=2, device="cuda")
+    write_params(tmp_path, data)
+    two = Keys(load(tmp_path / "params.yaml")).key("train", "d")
+    assert two != one  # the global batch doubles: another checkpoint
+    train = smk(tmp_path, "-n", "-p").split("rule train:")[1].split("rule ")[0]
+    assert "gpu=2" in train and f"models/d/train/{two}" in train
+    assert "-m torch.distributed.run --standalone --nproc-per-node 2 -m eaglet train d" in train

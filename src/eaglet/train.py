@@ -379,6 +379,14 @@ def build(
     quiet: bool = False,
 ) -> Path:
     """Train the drafter on its datasets' hidden states; write the folder and its sidecar."""
+    settings = params.drafter(drafter)["train"]
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world != settings["processes"]:
+        raise EagletError(
+            f"{params.path}: drafters.{drafter}.train.processes is {settings['processes']} but "
+            f"{world} processes run (WORLD_SIZE): the global batch, and so the checkpoint, "
+            "depends on it"
+        )
     if threads:
         torch.set_num_threads(threads)
     keys = Keys(params)
@@ -392,7 +400,6 @@ def build(
         load_config(spec), len(d2t), manifest["aux_layer_ids"]["sglang"]
     )
     embed, lm_head = load_head(spec)
-    settings = params.drafter(drafter)["train"]
     hp = prov["params"]["train"] | {"heldout_fraction": prov["params"]["heldout_fraction"]}
     stats = fit(
         readers,
