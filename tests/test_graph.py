@@ -199,6 +199,7 @@ def test_compare_two_revisions(repo):
     git(repo, "commit", "-qam", "dolly at temperature 0.5")
     try:
         md = eaglet(repo, "compare", "HEAD~1", "HEAD", "--md")
+        same = eaglet(repo, "compare", "HEAD", "HEAD", "--md")
     finally:
         git(repo, "reset", "-q", "--hard", "HEAD~1")
     assert "## dataset dolly" in md and "## dataset sg" in md
@@ -207,6 +208,8 @@ def test_compare_two_revisions(repo):
     assert "| responses | 3 | not built |" in dolly
     sg = md.split("## dataset sg")[1].split("##")[0]
     assert "rebuild" not in sg and "| responses | 3 | 3 |" in sg
+    assert "temperature" in md.split("dvc params diff:")[1]  # the ledger's view, too
+    assert "dvc params diff" not in same and "rebuild" not in same  # no empty tables
 
 
 def test_slurm_profile_dry_run(repo):

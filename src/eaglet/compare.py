@@ -169,6 +169,7 @@ def dvc_diffs(repo: Path, rev_a: str, rev_b: str, md: bool) -> str:
     for what in ("params", "metrics"):
         cmd = [sys.executable, "-m", "dvc", what, "diff", *revs, *(["--md"] if md else [])]
         r = subprocess.run(cmd, capture_output=True, text=True, cwd=repo)
-        if r.returncode == 0 and r.stdout.strip():
+        lines = r.stdout.strip().splitlines()
+        if r.returncode == 0 and len(lines) > (2 if md else 0):  # --md: a header with no rows
             parts.append(f"dvc {what} diff:\n{r.stdout.rstrip()}\n")
     return "\n".join(parts)
