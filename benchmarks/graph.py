@@ -118,10 +118,8 @@ def timed(folder: Path, *args: str) -> float:
 def build(folder: Path) -> None:
     """Create every output of the graph empty, in its place, then check there is nothing to do.
     Outputs named without a suffix are eaglet's directory artifacts in keyed graphs."""
-    summary = smk(folder, "--summary").stdout.splitlines()
-    for line in summary[
-        1 + summary.index(next(x for x in summary if x.startswith("output_file"))) :
-    ]:
+    summary = smk(folder, "--summary").stdout.split("output_file\t", 1)[1]
+    for line in summary.splitlines()[1:]:
         out = folder / line.split("\t")[0]
         out.parent.mkdir(parents=True, exist_ok=True)
         directory = "." not in out.name and (folder / "rules").is_dir()

@@ -22,4 +22,3 @@ rule train:
         "{params.eaglet} train {wildcards.drafter} --params {params.file:q} "
         "--out {output.model:q} --key {wildcards.key} --threads {threads} --quiet "
         "> {log:q} 2>&1"
-

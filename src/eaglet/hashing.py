@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import json
 import os
@@ -12,15 +13,46 @@ _memo: dict[tuple, str] = {}
 
 
 def cache_dir() -> Path:
-    """Where eaglet keeps converted models and file digests (`EAGLET_CACHE` overrides)."""
+    """Where eaglet keeps converted models, file digests, code ASTs (`EAGLET_CACHE` overrides)."""
     base = os.environ.get("EAGLET_CACHE") or os.path.join(
         os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "eaglet"
     )
     return Path(base)
 
 
-def _cache_file() -> Path:
-    return cache_dir() / "digests.json"
+class JsonCache:
+    """A JSON object in the cache folder, read on first use and rewritten atomically on save.
+    Unreadable, corrupt or unwritable only costs recomputing what it holds."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.dirty = False
+
+    @functools.cached_property
+    def path(self) -> Path:
+        return cache_dir() / self.name  # on first use, not at import
+
+    @functools.cached_property
+    def entries(self) -> dict:
+        try:
+            return json.loads(self.path.read_text())
+        except (OSError, ValueError):
+            return {}
+
+    def put(self, key: str, value: object) -> None:
+        self.entries[key] = value
+        self.dirty = True
+
+    def save(self) -> None:
+        if self.dirty:
+            from eaglet.io import write_json
+
+            with contextlib.suppress(OSError):
+                write_json(self.path, self.entries)
+            self.dirty = False
+
+
+_DIGESTS = JsonCache("digests.json")
 
 
 def file_digest(path: str | os.PathLike) -> str:
@@ -30,12 +62,7 @@ def file_digest(path: str | os.PathLike) -> str:
     stamp = (str(path), st.st_size, st.st_mtime_ns)
     if stamp in _memo:
         return _memo[stamp]
-    cache_path = _cache_file()
-    try:
-        cache = json.loads(cache_path.read_text())
-    except (OSError, ValueError):
-        cache = {}
-    entry = cache.get(str(path))
+    entry = _DIGESTS.entries.get(str(path))
     if entry and entry[:2] == [st.st_size, st.st_mtime_ns]:
         digest = entry[2]
     else:
@@ -44,11 +71,8 @@ def file_digest(path: str | os.PathLike) -> str:
             for block in iter(lambda: f.read(1 << 20), b""):
                 h.update(block)
         digest = h.hexdigest()
-        cache[str(path)] = [st.st_size, st.st_mtime_ns, digest]
-        from eaglet.io import write_json
-
-        with contextlib.suppress(OSError):  # a read-only cache only costs re-hashing
-            write_json(cache_path, cache)
+        _DIGESTS.put(str(path), [st.st_size, st.st_mtime_ns, digest])
+        _DIGESTS.save()
     _memo[stamp] = digest
     return digest
 

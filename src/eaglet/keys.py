@@ -10,9 +10,7 @@ every eaglet module it imports, transitively: comments and formatting change not
 from __future__ import annotations
 
 import ast
-import contextlib
 import hashlib
-import json
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -21,8 +19,8 @@ from pathlib import Path
 
 from eaglet import __version__
 from eaglet.errors import EagletError
-from eaglet.hashing import cache_dir, file_digest
-from eaglet.io import dumps, write_json
+from eaglet.hashing import JsonCache, file_digest
+from eaglet.io import dumps
 from eaglet.params import Params
 from eaglet.target import spec_of
 
@@ -52,19 +50,21 @@ STAGES: dict[str, Stage] = {
 }
 
 
+@cache
 def code_key(module: str) -> str:
     """Hash of the normalized AST of `module` and the eaglet modules it imports (transitively)."""
-    if module not in _CODE_KEYS:
-        h = hashlib.sha256()
-        for name in sorted(_closure(module)):
-            h.update(f"{name}\0{_facts(name)[0]}\n".encode())
-        _CODE_KEYS[module] = h.hexdigest()[:KEY_LEN]
-        _AST_CACHE.save()
-    return _CODE_KEYS[module]
+    h = hashlib.sha256()
+    for name in sorted(_closure(module)):
+        h.update(f"{name}\0{_facts(name)[0]}\n".encode())
+    _AST_CACHE.save()
+    return h.hexdigest()[:KEY_LEN]
 
 
-_CODE_KEYS: dict[str, str] = {}
 PACKAGE = Path(__file__).resolve().parent
+# (AST digest, imported names) of each module under the SHA-256 of its name and bytes: a pure
+# function of the source, so a hit is always right; a parse costs ~10 ms a module otherwise, at
+# every Snakefile parse. Per Python version: ast.dump's output is.
+_AST_CACHE = JsonCache(f"code-ast-py{sys.version_info[0]}{sys.version_info[1]}.json")
 
 
 def _file(module: str) -> Path | None:
@@ -87,46 +87,13 @@ def _source(module: str) -> Path:
     return path
 
 
-class _AstCache:
-    """(AST digest, imported names) of a module, on disk under the SHA-256 of its name and bytes:
-    a pure function of the source, so a hit is always right, and a parse costs ~10 ms a module
-    at every Snakefile parse otherwise. Unreadable or unwritable only costs re-parsing."""
-
-    def __init__(self) -> None:
-        self.path = cache_dir() / f"code-ast-py{sys.version_info[0]}{sys.version_info[1]}.json"
-        self.entries: dict[str, list] | None = None
-        self.dirty = False
-
-    def get(self, stamp: str) -> list | None:
-        if self.entries is None:
-            try:
-                self.entries = json.loads(self.path.read_text())
-            except (OSError, ValueError):
-                self.entries = {}
-        return self.entries.get(stamp)
-
-    def put(self, stamp: str, facts: list) -> None:
-        self.get(stamp)
-        self.entries[stamp] = facts
-        self.dirty = True
-
-    def save(self) -> None:
-        if self.dirty:
-            with contextlib.suppress(OSError):
-                write_json(self.path, self.entries)
-            self.dirty = False
-
-
-_AST_CACHE = _AstCache()
-
-
 @cache
 def _facts(module: str) -> tuple[str, tuple[tuple[str, str], ...]]:
     """The module's AST digest (docstrings stripped) and its imports as (name, fallback) pairs:
     `from eaglet.x import y` is module eaglet.x.y if that file exists, else names in eaglet.x."""
     source = _source(module).read_bytes()
     stamp = hashlib.sha256(module.encode() + b"\0" + source).hexdigest()
-    hit = _AST_CACHE.get(stamp)
+    hit = _AST_CACHE.entries.get(stamp)
     if hit is not None:
         return hit[0], tuple((a, b) for a, b in hit[1])
     tree = ast.parse(source)
