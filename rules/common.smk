@@ -5,6 +5,7 @@ import sys
 
 from snakemake.utils import min_version
 
+from eaglet.device import resolve_device
 from eaglet.errors import EagletError
 from eaglet.keys import STAGES, Keys
 from eaglet.params import load
@@ -71,8 +72,9 @@ def placement(drafter, stage):
 
 
 def gpus(device, processes=1):
-    """The `gpu` resource of a rule running `processes` processes on `device`."""
-    return processes if device.startswith("cuda") else 0
+    """The `gpu` resource of a rule running `processes` processes on `device` (`auto` resolved
+    here as the keys resolve it: on a cluster, set the device explicitly)."""
+    return processes if resolve_device(device).startswith("cuda") else 0
 
 
 def remote_backend(dataset):

@@ -19,6 +19,7 @@ from eaglet.errors import EagletError
 from eaglet.io import read_jsonl
 from eaglet.keys import Keys, sidecar_of
 from eaglet.params import load
+from eaglet.preflight import preflight
 from eaglet.records import RESPONSE_FIELDS
 from eaglet.store import Store, store_path
 from eaglet.target import SMOLLM2, load_tokenizer, resolve
@@ -350,7 +351,7 @@ def test_dry_run_checks_the_backend_and_counts_store_misses(tmp_path, server):
     params = setup(tmp_path, data)
     generate.build(params, "a", quiet=True)
     posts = fake.requests
-    rep = generate.preflight(params, "b")
+    rep = preflight(params, "b")
     assert fake.requests - posts == 2 and len(fake.sent) == 10  # two GETs, no generation
     assert rep["store"]["ok"] == 10 and rep["requests"] == 20
     assert rep["check"]["model_served"] and rep["check"]["key"] == "valid"

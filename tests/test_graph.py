@@ -141,6 +141,40 @@ def test_comment_only_edit_reruns_nothing_and_real_edit_reruns_downstream(repo):
         hidden.write_text(old_hidden)
 
 
+def test_plumbing_only_commit_has_nothing_to_do(repo):
+    """A version bump, a reworded dry-run report and progress line, a key-machinery refactor."""
+    src = repo / "src" / "eaglet"
+    edits = {
+        src / "__init__.py": ('__version__ = "0.1.0"', '__version__ = "0.2.0"'),
+        src / "preflight.py": ("requests to send", "requests that would go out"),
+        src / "progress.py": ('f"ETA {', 'f"eta {'),
+        src / "keys.py": ("h = hashlib.sha256()", "h = hashlib.new('sha256')"),
+    }
+    olds = {path: _edit(path, "{old}") for path in edits}
+    try:
+        for path, (old, new) in edits.items():
+            path.write_text(olds[path].replace(old, new, 1))
+        assert "Nothing to be done" in smk(repo, "-n")
+    finally:
+        for path, old in olds.items():
+            path.write_text(old)
+
+
+def test_artifacts_hold_no_path_of_the_building_machine(repo):
+    """Built on this machine, readable on any other: no absolute path in any artifact or sidecar
+    (exports name the target by its hub id)."""
+    machine = [str(repo), str(Path.home()), "/tmp/"]
+    for top in ("data/prompts", "data/responses", "data/hidden", "models"):
+        for path in (repo / top).rglob("*"):
+            if path.is_file() and path.suffix in (".json", ".csv", ".jsonl"):
+                text = path.read_text()
+                assert not [m for m in machine if m in text], path
+    vllm = Path(eaglet(repo, "path", "vllm", "d").strip())
+    verifier = json.loads((vllm / "config.json").read_text())["speculators_config"]["verifier"]
+    assert verifier["name_or_path"] == "HuggingFaceTB/SmolLM2-135M-Instruct"
+    assert "transformers_version" not in (vllm / "config.json").read_text()
+
+
 def test_deleted_checkpoint_rebuilds_byte_identical(repo):
     ckpt = Path(eaglet(repo, "path", "train", "d").strip())
     files = sorted(p for p in ckpt.rglob("*") if p.is_file())

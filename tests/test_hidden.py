@@ -16,6 +16,7 @@ from eaglet import cli, hidden, prompts, status
 from eaglet.chat import prompt_ids
 from eaglet.errors import EagletError
 from eaglet.hidden_store import HiddenReader, Storage, decode, encode
+from eaglet.hidden_verify import verify
 from eaglet.io import read_jsonl, write_jsonl_zst
 from eaglet.keys import Keys
 from eaglet.params import load
@@ -159,7 +160,7 @@ def test_sglang_server_gives_the_same_manifest_and_shards(built, smol):
 
 def test_verify_passes_then_catches_a_corrupted_shard(built, tmp_path, capsys):
     _, params, _, out = built
-    report = hidden.verify(params, "sg")
+    report = verify(params, "sg")
     assert report["ok"] and report["samples_checked"] == 4 and report["max_relative_error"] == 0
     bad = tmp_path / "bad"
     shutil.copytree(out, bad)

@@ -5,7 +5,8 @@ import sys
 
 import pytest
 
-from eaglet.io import atomic_path, read_jsonl, write_json, write_jsonl_zst
+from eaglet.atomic import atomic_path
+from eaglet.io import read_jsonl, write_json, write_jsonl_zst
 
 
 def test_jsonl_zst_round_trip(tmp_path):

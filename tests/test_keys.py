@@ -1,25 +1,36 @@
 import json
+import os
 import shutil
 import subprocess
 import sys
+from pathlib import Path
 
-from eaglet.keys import Keys, _closure, sidecar_of
+from eaglet.keys import PLUMBING, STAGES, Keys, _closure, sidecar_of
 from eaglet.params import load
 
 from .conftest import ROOT, tiny_params, write_params
 
 
-def test_closure_follows_eaglet_imports_only():
+def test_closure_follows_eaglet_imports_and_stops_at_plumbing():
     mods = _closure("eaglet.prompts")
-    assert {
-        "eaglet.prompts",
-        "eaglet.formats",
-        "eaglet.readers",
-        "eaglet.io",
-        "eaglet.keys",
-    } <= mods
-    assert all(m == "eaglet" or m.startswith("eaglet.") for m in mods)
+    assert {"eaglet.prompts", "eaglet.formats", "eaglet.readers", "eaglet.io"} <= mods
+    assert all(m.startswith("eaglet.") for m in mods)
     assert "eaglet.generate" not in mods
+    assert not mods & PLUMBING  # imported (keys, params, progress, ...) but never hashed
+
+
+def test_every_module_is_compute_of_a_stage_or_plumbing():
+    """The line is drawn in one place: a new module must land on one side of it."""
+    package = ROOT / "src" / "eaglet"
+    modules = {
+        ".".join(("eaglet", *p.relative_to(package).with_suffix("").parts)).removesuffix(
+            ".__init__"
+        )
+        for p in package.rglob("*.py")
+    }
+    compute = set().union(*(_closure(s.module) for s in STAGES.values()))
+    assert modules - PLUMBING == compute
+    assert not {s.module for s in STAGES.values()} & PLUMBING
 
 
 def _code_keys(pkg_root, cache=None):
@@ -116,3 +127,108 @@ def test_keys_match_across_processes(project):
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == Keys(load(path)).key("responses", "sg")
+
+
+# ------------------------------------------------------------------ the promise, on the demo
+
+# What each stage feeds (drafter stages read every dataset's hidden states).
+DOWNSTREAM = {
+    "prompts": {"responses"},
+    "responses": {"hidden"},
+    "hidden": {"vocab", "train", "evaluate"},
+    "vocab": {"train"},
+    "train": {"evaluate", "sglang", "vllm"},
+    "evaluate": set(),
+    "sglang": set(),
+    "vllm": set(),
+}
+
+
+def _and_downstream(*stages: str) -> set[str]:
+    out, todo = set(), list(stages)
+    while todo:
+        s = todo.pop()
+        if s not in out:
+            out.add(s)
+            todo.extend(DOWNSTREAM[s])
+    return out
+
+
+def _demo_keys(pkg_root: Path, cache: Path) -> dict[tuple[str, str], str]:
+    """`eaglet keys --json` on the demo's params.yaml, with the eaglet package at `pkg_root`."""
+    out = subprocess.run(
+        [sys.executable, "-m", "eaglet", "keys", "--json", "--params", str(ROOT / "params.yaml")],
+        capture_output=True,
+        text=True,
+        check=True,
+        env={**os.environ, "PYTHONPATH": str(pkg_root), "EAGLET_CACHE": str(cache)},
+    )
+    return {(r["stage"], r["name"]): r["key"] for r in json.loads(out.stdout)}
+
+
+# (file, old text or "" to append, new text, stages whose keys must move): plumbing moves none;
+# a real change to a stage's compute code moves that stage and its downstream, nothing else.
+EDITS = [
+    ("__init__.py", '__version__ = "0.1.0"', '__version__ = "9.9.9"', set()),
+    ("preflight.py", "requests to send", "requests that would go out", set()),
+    ("progress.py", 'f"ETA {', 'f"eta {', set()),
+    ("status.py", '"stale"', '"out of date"', set()),
+    ("cli.py", "every artifact's current key", "the current key of every artifact", set()),
+    ("keys.py", "h = hashlib.sha256()", "h = hashlib.new('sha256')", set()),
+    ("hashing.py", "", "\n\ndef _unused():\n    return 0\n", set()),
+    ("atomic.py", "prefix = f", "prefix: str = f", set()),
+    ("hidden_verify.py", '"float32": 1e-3', '"float32": 2e-3', set()),
+    ("readers.py", "", "\nREAD_NOTE = 1\n", _and_downstream("prompts")),
+    ("backends/transformers.py", "", "\nPAD_NOTE = 1\n", _and_downstream("responses")),
+    ("hidden_store.py", "", "\nSHARD_NOTE = 1\n", _and_downstream("hidden")),
+    ("vocab.py", "", "\nVOCAB_NOTE = 1\n", _and_downstream("vocab")),
+    ("drafter.py", "", "\nLAYER_NOTE = 1\n", _and_downstream("train")),
+    ("speculative.py", "", "\nDECODE_NOTE = 1\n", {"evaluate"}),
+    ("export.py", "", "\nEXPORT_NOTE = 1\n", {"sglang", "vllm"}),
+]
+
+
+def test_plumbing_edits_move_no_key_and_compute_edits_move_their_stage_and_downstream(tmp_path):
+    cache = tmp_path / "cache"
+    shutil.copytree(ROOT / "src" / "eaglet", tmp_path / "base" / "eaglet")
+    base = _demo_keys(tmp_path / "base", cache)
+    assert len(base) == 20
+    for i, (rel, old, new, expected) in enumerate(EDITS):
+        pkg = tmp_path / f"edit{i}"
+        shutil.copytree(tmp_path / "base", pkg)
+        path = pkg / "eaglet" / rel
+        text = path.read_text()
+        assert old in text, (rel, old)
+        path.write_text(text.replace(old, new, 1) if old else text + new)
+        keys = _demo_keys(pkg, cache)
+        moved = {stage for (stage, name), key in keys.items() if base[stage, name] != key}
+        assert moved == expected, rel
+        for (stage, name), key in keys.items():  # a moved stage moves for every name
+            assert (key != base[stage, name]) == (stage in expected), (rel, stage, name)
+
+
+def _local_settings(data: dict, device: str, dtype: str) -> dict:
+    data["backends"]["local"].update(device=device, dtype=dtype)
+    data["hidden"] = {"device": device, "compute_dtype": dtype}
+    data["drafters"]["d"]["train"].update(device=device.split(":")[0], dtype=dtype)
+    data["drafters"]["d"]["evaluate"]["device"] = device
+    return data
+
+
+def test_auto_device_and_dtype_key_like_what_they_resolve_to(project, monkeypatch):
+    def keys(device: str, dtype: str) -> dict[str, str]:
+        k = Keys(load(write_params(project, _local_settings(tiny_params(), device, dtype))))
+        stages = ("responses", "hidden", "train", "evaluate")
+        return {s: k.key(s, "sg" if s in ("responses", "hidden") else "d") for s in stages}
+
+    monkeypatch.setattr("eaglet.device.NVIDIA_DRIVER", project / "no-driver")
+    cpu = keys("auto", "auto")
+    assert cpu == keys("cpu", "float32")  # auto is what it resolves to on this machine
+    assert all(cpu[s] != v for s, v in keys("cpu", "bfloat16").items())  # another dtype
+    driver = project / "nvidia-version"
+    driver.write_text("NVRM version: 550\n")
+    monkeypatch.setattr("eaglet.device.NVIDIA_DRIVER", driver)
+    gpu = keys("auto", "auto")  # the same params on a GPU machine: cuda, bfloat16
+    assert gpu == keys("cuda", "bfloat16") and all(gpu[s] != cpu[s] for s in cpu)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")  # every GPU hidden: the CPU build again
+    assert keys("auto", "auto") == cpu

@@ -67,7 +67,7 @@ def test_every_schema_gives_its_prompt_count(tmp_path, fmt):
         for r in recs:
             assert r["id"] == prompt_id(r["messages"]) and r["dataset"] == "d"
             assert r["messages"][-1]["role"] != "assistant"
-            assert r["source"]["path"] == src.name and r["source"]["line"] >= 1
+            assert r["source"] == {"line": r["source"]["line"]} and r["source"]["line"] >= 1
 
 
 def test_ids_are_content_hashes_stable_across_processes(tmp_path):

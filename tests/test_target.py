@@ -1,7 +1,15 @@
 import pytest
 
 from eaglet.errors import EagletError
-from eaglet.target import SMOLLM2, load_model, load_tokenizer, materialize, resolve
+from eaglet.target import (
+    SMOLLM2,
+    SMOLLM2_HUB,
+    load_model,
+    load_tokenizer,
+    materialize,
+    reference,
+    resolve,
+)
 
 
 @pytest.fixture(scope="module")
@@ -66,3 +74,34 @@ def test_conversion_keeps_the_gguf_logits_exactly(smollm2):
     ids = torch.tensor([tok("The quick brown fox jumps over the lazy dog")["input_ids"]])
     with torch.inference_mode():
         assert torch.equal(gguf(ids).logits, model(ids).logits)
+
+
+def test_exports_name_the_target_portably(tmp_path):
+    assert reference(resolve(SMOLLM2), None, tmp_path) == SMOLLM2_HUB
+    folder = tmp_path / "targets" / "tiny"
+    folder.mkdir(parents=True)
+    (folder / "config.json").write_text("{}")
+    local = resolve(str(folder))
+    assert reference(local, None, tmp_path) == "./targets/tiny"  # relative, never absolute
+    assert reference(local, "org/tiny", tmp_path) == "org/tiny"
+    with pytest.raises(EagletError, match=r"target\.hub_id"):
+        reference(local, None, tmp_path / "elsewhere")
+
+
+def test_a_hub_ref_is_pinned_to_its_commit(tmp_path, monkeypatch):
+    from huggingface_hub import constants
+
+    commit = "0123456789abcdef0123456789abcdef01234567"
+    repo = tmp_path / "hub" / "models--org--tiny"
+    (repo / "refs").mkdir(parents=True)
+    (repo / "refs" / "main").write_text(commit)
+    (repo / "snapshots" / commit).mkdir(parents=True)
+    (repo / "snapshots" / commit / "config.json").write_text("{}")
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    spec = resolve("org/tiny")  # revision unset: main, as cached
+    assert spec.revision == commit and spec.identity() == {"model": "org/tiny", "revision": commit}
+    other = "f" * 40
+    assert resolve("org/tiny", other).revision == other  # a commit is taken as is
+    with pytest.raises(EagletError, match="moving ref"):
+        resolve("org/tiny", "dev")  # a branch nobody has cached, offline

@@ -49,7 +49,9 @@ def cmd_generate(args: argparse.Namespace) -> None:
 
     params = _checked(args, "responses")
     if args.dry_run:
-        generate.show_preflight(generate.preflight(params, args.dataset))
+        from eaglet import preflight
+
+        preflight.show(preflight.preflight(params, args.dataset))
         return
     print(
         generate.build(params, args.dataset, out=args.out, threads=args.threads, quiet=args.quiet)
@@ -63,7 +65,9 @@ def cmd_hidden(args: argparse.Namespace) -> None:
 
     params = _checked(args, "hidden")
     if args.verify:
-        report = hidden.verify(
+        from eaglet.hidden_verify import verify
+
+        report = verify(
             params, args.dataset, path=args.out, samples=args.samples, threads=args.threads
         )
         print(json.dumps(report))

@@ -19,10 +19,11 @@ from pathlib import Path
 import torch
 
 from eaglet import drafter_data, speculative, train
+from eaglet.atomic import atomic_path
 from eaglet.chat import stop_ids
 from eaglet.drafter import Drafter
 from eaglet.errors import EagletError
-from eaglet.io import atomic_path, write_json
+from eaglet.io import write_json
 from eaglet.keys import Keys, sidecar_of
 from eaglet.params import Params
 from eaglet.progress import Progress

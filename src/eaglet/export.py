@@ -17,6 +17,7 @@ runs a probe through the reloaded drafter and the trained one and requires the s
 from __future__ import annotations
 
 import json
+import os
 import shlex
 from pathlib import Path
 
@@ -24,12 +25,13 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from eaglet import train
+from eaglet.atomic import atomic_path
 from eaglet.drafter import Drafter, DrafterConfig
 from eaglet.errors import EagletError
-from eaglet.io import atomic_path, read_json, write_json
+from eaglet.io import read_json, write_json
 from eaglet.keys import Keys, sidecar_of
 from eaglet.params import Params
-from eaglet.target import load_config, materialize, spec_of
+from eaglet.target import load_config
 
 FORMATS = ("sglang", "vllm")
 DTYPE = "bfloat16"  # what both engines serve drafts in
@@ -77,8 +79,6 @@ def sglang_config(cfg: DrafterConfig) -> dict:
 
 
 def vllm_config(cfg: DrafterConfig, verifier: dict, num_steps: int) -> dict:
-    import transformers
-
     return {
         "architectures": ["Eagle3Speculator"],
         "speculators_model_type": "eagle3",
@@ -98,7 +98,6 @@ def vllm_config(cfg: DrafterConfig, verifier: dict, num_steps: int) -> dict:
         **dict.fromkeys(NORM_FLAGS, False),
         "embed_requires_grad": False,
         "torch_dtype": DTYPE,
-        "transformers_version": transformers.__version__,
     }
 
 
@@ -289,18 +288,19 @@ def validate(folder: Path, reference: Drafter) -> dict:
     }
 
 
-def serve_command(fmt: str, target: str, draft: Path, num_steps: int = 3) -> str:
-    """The engine's launch command for the target with this draft, chain drafting."""
+def serve_command(fmt: str, target: str, draft: str, num_steps: int = 3) -> str:
+    """The engine's launch command for the target with this draft, chain drafting (paths
+    relative to the project root, where it is meant to run)."""
     if fmt == "sglang":
         return (
             f"python -m sglang.launch_server --model-path {shlex.quote(target)} "
             "--speculative-algorithm EAGLE3 "
-            f"--speculative-draft-model-path {shlex.quote(str(draft))} "
+            f"--speculative-draft-model-path {shlex.quote(draft)} "
             f"--speculative-num-steps {num_steps} --speculative-eagle-topk 1 "
             f"--speculative-num-draft-tokens {num_steps + 1}"
         )
     spec = json.dumps(
-        {"method": "eagle3", "model": str(draft), "num_speculative_tokens": num_steps},
+        {"method": "eagle3", "model": draft, "num_speculative_tokens": num_steps},
         separators=(",", ":"),
     )
     return f"vllm serve {shlex.quote(target)} --speculative-config {shlex.quote(spec)}"
@@ -318,11 +318,14 @@ def build(params: Params, drafter: str, fmt: str, out: Path | None = None) -> tu
     if not trained.exists():
         raise EagletError(f"drafters.{drafter}: not trained yet: {trained}")
     model = train.load(trained)
-    spec = spec_of(params)
-    target = materialize(spec)
-    verifier = {"name_or_path": target, "architectures": load_config(spec).architectures}
-    num_steps = min(params.drafter(drafter)["evaluate"]["num_steps"])
-    command = serve_command(fmt, target, out.resolve(), num_steps)
+    spec = keys.target
+    name = prov["params"]["verifier"]
+    if name.startswith("./"):  # a folder of the project: named relative to the export itself
+        name = os.path.relpath(params.root / name, out.resolve())
+    verifier = {"name_or_path": name, "architectures": load_config(spec).architectures}
+    num_steps = prov["params"]["num_steps"]
+    draft = os.path.relpath(out.resolve(), params.root.resolve())
+    command = serve_command(fmt, prov["params"]["verifier"], draft, num_steps)
     with atomic_path(out, directory=True) as tmp:
         write(model, fmt, tmp, verifier, num_steps)
         report = validate(tmp, model)

@@ -37,8 +37,9 @@ import zstandard
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from eaglet.atomic import atomic_path
 from eaglet.errors import EagletError
-from eaglet.io import atomic_path, write_json
+from eaglet.io import write_json
 
 FORMAT = "eaglet-hidden/1"
 MANIFEST = "manifest.json"

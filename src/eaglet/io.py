@@ -1,66 +1,28 @@
-"""Atomic file writes and zstandard-compressed JSON lines.
+"""The byte formats of eaglet's files: canonical JSON, pretty JSON, zstandard JSON lines.
 
-Every artifact is written to a temporary sibling and renamed into place, so an existing
-path always holds a complete file: existence means done.
+These decide an artifact's bytes, so they are compute code (in the code keys); the atomic
+writes under them (`eaglet.atomic`) are not.
 """
 
 from __future__ import annotations
 
-import contextlib
 import io
 import json
 import os
-import shutil
-import tempfile
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import IO, Any
 
 import zstandard
 
+from eaglet.atomic import atomic_path, write_text
+
 ZSTD_LEVEL = 10
-_UMASK = os.umask(0)
-os.umask(_UMASK)
 
 
 def dumps(obj: Any) -> str:
     """Canonical JSON: sorted keys, no spaces, UTF-8 kept; the form every hash is taken over."""
     return json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
-
-
-@contextlib.contextmanager
-def atomic_path(path: str | os.PathLike, *, directory: bool = False) -> Iterator[Path]:
-    """Yield a temporary path beside `path`; rename it onto `path` only if the block succeeds."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    prefix = f".{path.name}.tmp-"
-    if directory:
-        tmp = Path(tempfile.mkdtemp(prefix=prefix, dir=path.parent))
-    else:
-        fd, name = tempfile.mkstemp(prefix=prefix, dir=path.parent)
-        os.close(fd)
-        tmp = Path(name)
-    try:
-        yield tmp
-        if not directory:
-            _fsync(tmp)
-            os.chmod(tmp, 0o666 & ~_UMASK)  # mkstemp makes 0600; artifacts are shared files
-        if directory and path.exists():
-            shutil.rmtree(path)
-        os.replace(tmp, path)
-        _fsync_dir(path.parent)
-    except BaseException:
-        if tmp.is_dir():
-            shutil.rmtree(tmp, ignore_errors=True)
-        else:
-            tmp.unlink(missing_ok=True)
-        raise
-
-
-def write_text(path: str | os.PathLike, text: str) -> None:
-    """Atomically write a text file."""
-    with atomic_path(path) as tmp:
-        tmp.write_text(text, encoding="utf-8")
 
 
 def write_json(path: str | os.PathLike, obj: Any) -> None:
@@ -100,16 +62,3 @@ def read_jsonl(path: str | os.PathLike) -> Iterator[dict]:
         for line in f:
             if line.strip():
                 yield json.loads(line)
-
-
-def _fsync(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _fsync_dir(path: Path) -> None:
-    with contextlib.suppress(OSError):
-        _fsync(path)

@@ -3,8 +3,12 @@
 key(stage, name) = first 12 hex of SHA-256 over the canonical JSON of
     [stage, code key of the stage's module, the stage's slice of params, upstream keys]
 so an artifact's path changes exactly when something that made it changes; "stale" never
-depends on mtimes. The code key hashes the AST (docstrings stripped) of the stage's module and of
-every eaglet module it imports, transitively: comments and formatting change nothing.
+depends on mtimes. Slices hold resolved values (device, dtype, a hub target's commit), never
+`auto` or a moving ref.
+
+The code key covers the code that computes the artifact's bytes and nothing else: the AST
+(docstrings stripped) of the stage's module and of every eaglet module it imports, transitively,
+except PLUMBING, where the walk stops. Comments and formatting change nothing.
 """
 
 from __future__ import annotations
@@ -14,15 +18,16 @@ import hashlib
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
-from functools import cache
+from functools import cache, cached_property
 from pathlib import Path
 
 from eaglet import __version__
+from eaglet.device import device_type, resolve_dtype
 from eaglet.errors import EagletError
 from eaglet.hashing import JsonCache, file_digest
 from eaglet.io import dumps
 from eaglet.params import Params
-from eaglet.target import spec_of
+from eaglet.target import TargetSpec, reference, spec_of
 
 KEY_LEN = 12
 
@@ -48,6 +53,33 @@ STAGES: dict[str, Stage] = {
         Stage("vllm", "eaglet.export", "/", "drafter"),
     ]
 }
+
+
+# Code that never shapes an output byte: the key machinery and params loading (their results
+# enter keys as values), the CLI, progress, status and reports, checks of built artifacts, the
+# response cache, atomic writes, the package version. Editing these moves no key.
+PLUMBING = frozenset(
+    {
+        "eaglet",  # the package: __version__
+        "eaglet.__main__",
+        "eaglet.artifacts",
+        "eaglet.atomic",
+        "eaglet.cli",
+        "eaglet.compare",
+        "eaglet.device",
+        "eaglet.errors",
+        "eaglet.foreign",
+        "eaglet.hashing",
+        "eaglet.hidden_verify",
+        "eaglet.keys",
+        "eaglet.params",
+        "eaglet.preflight",
+        "eaglet.progress",
+        "eaglet.publish",
+        "eaglet.status",
+        "eaglet.store",
+    }
+)
 
 
 @cache
@@ -136,10 +168,11 @@ def _imports(module: str) -> set[str]:
 
 
 def _closure(module: str) -> set[str]:
+    """`module` and the eaglet modules it imports, transitively, never entering PLUMBING."""
     seen, todo = set(), [module]
     while todo:
         m = todo.pop()
-        if m not in seen:
+        if m not in seen and m not in PLUMBING:
             seen.add(m)
             todo.extend(_imports(m) - seen)
     return seen
@@ -151,12 +184,18 @@ class Keys:
     def __init__(self, params: Params):
         self.params = params
         self._memo: dict[tuple[str, str], dict] = {}
-        self._target: dict | None = None
+
+    @cached_property
+    def target(self) -> TargetSpec:
+        """The configured target, resolved once (a hub ref pinned to its commit)."""
+        return spec_of(self.params)
 
     def target_identity(self) -> dict:
-        if self._target is None:
-            self._target = spec_of(self.params).identity()
-        return self._target
+        return self._identity
+
+    @cached_property
+    def _identity(self) -> dict:
+        return self.target.identity()
 
     def provenance(self, stage: str, name: str) -> dict:
         """What made the artifact: the inputs of its key, and the key itself."""
@@ -239,7 +278,8 @@ def _hidden_slice(keys: Keys, ds: str) -> tuple[dict, dict]:
     h = keys.params.data["hidden"]
     compute = {"backend": h["backend"]}
     if h["backend"] == "transformers":
-        compute["dtype"] = h["compute_dtype"]
+        compute["device"] = device_type(h["device"])
+        compute["dtype"] = resolve_dtype(h["compute_dtype"], h["device"])
     slice_ = {
         "target": keys.target_identity(),
         "max_length": keys.params.target["max_length"],
@@ -264,6 +304,8 @@ def _train_slice(keys: Keys, drafter: str) -> tuple[dict, dict]:
     p, d = keys.params, keys.params.drafter(drafter)
     train = {k: v for k, v in d["train"].items() if k not in ("checkpoint_every", "device")}
     train["max_length"] = train.get("max_length") or p.target["max_length"]
+    train["device"] = device_type(d["train"]["device"])
+    train["dtype"] = resolve_dtype(d["train"]["dtype"], d["train"]["device"])
     slice_ = {
         "train": train,
         "heldout_fraction": d["heldout_fraction"],
@@ -275,7 +317,7 @@ def _train_slice(keys: Keys, drafter: str) -> tuple[dict, dict]:
 
 def _evaluate_slice(keys: Keys, drafter: str) -> tuple[dict, dict]:
     d = keys.params.drafter(drafter)
-    evaluate = {k: v for k, v in d["evaluate"].items() if k != "device"}
+    evaluate = dict(d["evaluate"], device=device_type(d["evaluate"]["device"]))
     slice_ = {
         "evaluate": evaluate,
         "heldout_fraction": d["heldout_fraction"],
@@ -287,8 +329,11 @@ def _evaluate_slice(keys: Keys, drafter: str) -> tuple[dict, dict]:
 
 def _export_slice(fmt: str) -> Callable[[Keys, str], tuple[dict, dict]]:
     def slice_(keys: Keys, drafter: str) -> tuple[dict, dict]:
-        steps = min(keys.params.drafter(drafter)["evaluate"]["num_steps"])
-        return {"format": fmt, "num_steps": steps}, {"train": keys.key("train", drafter)}
+        p = keys.params
+        steps = min(p.drafter(drafter)["evaluate"]["num_steps"])
+        verifier = reference(keys.target, p.target.get("hub_id"), p.root)
+        slice_ = {"format": fmt, "num_steps": steps, "verifier": verifier}
+        return slice_, {"train": keys.key("train", drafter)}
 
     return slice_
 

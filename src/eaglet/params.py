@@ -15,6 +15,7 @@ from typing import Any
 import jsonschema
 import yaml
 
+from eaglet.device import device_type, resolve_dtype
 from eaglet.errors import EagletError
 
 SCHEMA_PATH = Path(__file__).with_name("params.schema.yaml")
@@ -97,9 +98,13 @@ class Params:
             raise EagletError(f"{self.path}: no backend '{name}' (known: {known})") from None
 
     def backend_identity(self, name: str) -> dict:
-        """What about a backend changes its answers: enters the response keys."""
+        """What about a backend changes its answers, `auto` resolved: enters the response keys."""
         cfg = self.backend(name)
-        return {k: cfg[k] for k in BACKEND_IDENTITY_KEYS[cfg["kind"]] if k in cfg}
+        out = {k: cfg[k] for k in BACKEND_IDENTITY_KEYS[cfg["kind"]] if k in cfg}
+        if cfg["kind"] == "transformers":
+            out["device"] = device_type(cfg["device"])
+            out["dtype"] = resolve_dtype(cfg["dtype"], cfg["device"])
+        return out
 
 
 def load(path: str | os.PathLike = "params.yaml") -> Params:

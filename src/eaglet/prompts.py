@@ -35,7 +35,7 @@ def collect(source: Path, fmt: str, dataset: str) -> tuple[list[dict], dict]:
         except BadRow as e:
             bad.append({"line": line, "reason": str(e)})
             continue
-        records.append(prompt_record(dataset, messages, source.name, line))
+        records.append(prompt_record(dataset, messages, line))
     if not records:
         first = f" (first: line {bad[0]['line']}: {bad[0]['reason']})" if bad else ""
         raise EagletError(f"{source}: no valid prompt in {rows} rows{first}")

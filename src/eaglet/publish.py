@@ -9,7 +9,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from eaglet.artifacts import scan
-from eaglet.io import write_json, write_text
+from eaglet.atomic import write_text
+from eaglet.io import write_json
 from eaglet.keys import Keys
 from eaglet.params import Params
 

@@ -31,12 +31,14 @@ def prompt_id(messages: list[dict]) -> str:
     return hashlib.sha256(dumps(messages).encode("utf-8")).hexdigest()[:ID_LEN]
 
 
-def prompt_record(dataset: str, messages: list[dict], path: str, line: int) -> dict:
+def prompt_record(dataset: str, messages: list[dict], line: int) -> dict:
+    """A prompt and the line of the source file it came from (the file is keyed by its bytes,
+    not its name, so the name is not recorded)."""
     return {
         "id": prompt_id(messages),
         "dataset": dataset,
         "messages": messages,
-        "source": {"path": path, "line": line},
+        "source": {"line": line},
     }
 
 

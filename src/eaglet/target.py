@@ -10,16 +10,20 @@ from __future__ import annotations
 import fcntl
 import importlib.util
 import os
+import re
 import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from eaglet.device import resolve_device, resolve_dtype
 from eaglet.errors import EagletError
 from eaglet.hashing import cache_dir, file_digest, tree_digest
 
 SMOLLM2 = "smollm2-135m-instruct"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+SMOLLM2_HUB = "HuggingFaceTB/SmolLM2-135M-Instruct"  # the model the GGUF was made from
+COMMIT = re.compile(r"[0-9a-f]{40}")
 
 
 @dataclass(frozen=True)
@@ -37,7 +41,7 @@ class TargetSpec:
             return {"model": self.name, "gguf_sha256": file_digest(self.location)}
         if self.kind == "local":
             return {"model": self.name, "tree_sha256": tree_digest(self.location)}
-        return {"model": self.location, "revision": self.revision or "main"}
+        return {"model": self.location, "revision": self.revision}
 
 
 def resolve(model: str, revision: str | None = None, base: Path | None = None) -> TargetSpec:
@@ -61,8 +65,53 @@ def resolve(model: str, revision: str | None = None, base: Path | None = None) -
             raise EagletError(f"target.model: {path}: not a model folder (no config.json)")
         return TargetSpec(model, "local", str(path.resolve()))
     if model.count("/") == 1 and not model.startswith((".", "/")):
-        return TargetSpec(model, "hub", model, revision)
+        return TargetSpec(model, "hub", model, pin_revision(model, revision))
     raise EagletError(f"target.model: '{model}' is not a built-in alias, a folder or an HF id")
+
+
+def reference(spec: TargetSpec, hub_id: str | None, root: Path) -> str:
+    """How exports name the target, portably: a hub id, or for a local folder without one
+    "./<its path relative to the project root `root`>" (an export writes it relative to
+    itself). Never a path of the building machine: engines and speculators elsewhere resolve it."""
+    if hub_id:
+        return hub_id
+    if spec.kind == "gguf":
+        return SMOLLM2_HUB
+    if spec.kind == "hub":
+        return spec.location
+    folder, root = Path(spec.location), root.resolve()
+    if not folder.is_relative_to(root):
+        raise EagletError(
+            f"target.hub_id: exports must name the target portably and {folder} lies outside "
+            f"the project {root}: set target.hub_id (e.g. org/name)"
+        )
+    return f"./{folder.relative_to(root).as_posix()}"
+
+
+def pin_revision(repo: str, revision: str | None) -> str:
+    """The commit a hub ref names (`main` if none): a moving ref is never a key input.
+
+    A 40-hex commit is taken as is; a branch or tag is read from the local hub cache, else asked
+    of the hub; offline and not cached it is an error that says how to pin it."""
+    ref = revision or "main"
+    if COMMIT.fullmatch(ref):
+        return ref
+    from huggingface_hub import constants, try_to_load_from_cache
+
+    cached = try_to_load_from_cache(repo, "config.json", revision=ref)
+    if isinstance(cached, str):
+        return Path(cached).parent.name  # <cache>/snapshots/<commit>/config.json
+    if constants.HF_HUB_OFFLINE:
+        raise EagletError(
+            f"target.revision: '{ref}' of {repo} is a moving ref and {repo} is not in the local "
+            "hub cache: pin a commit (target.revision: <40 hex>) or download the model first"
+        )
+    from huggingface_hub import HfApi
+
+    try:
+        return HfApi().model_info(repo, revision=ref).sha
+    except Exception as e:
+        raise EagletError(f"target.revision: cannot resolve '{ref}' of {repo}: {e}") from None
 
 
 def spec_of(params: Any) -> TargetSpec:
@@ -92,7 +141,7 @@ def _convert_gguf(gguf: Path, out: Path) -> None:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from eaglet.io import atomic_path
+    from eaglet.atomic import atomic_path
 
     _quiet_hub_bars()
     kw: dict[str, Any] = {"gguf_file": gguf.name}
@@ -116,20 +165,23 @@ def _convert_gguf(gguf: Path, out: Path) -> None:
 
 
 def torch_dtype(name: str, device: str) -> Any:
-    """Resolve `dtype: auto|float32|bfloat16|float16`; auto is bf16 on GPU, fp32 on CPU."""
+    """The torch dtype of `dtype: auto|float32|bfloat16|float16` on `device` (see eaglet.device)."""
     import torch
 
-    if name == "auto":
-        return torch.bfloat16 if device.startswith("cuda") else torch.float32
-    return getattr(torch, name)
+    return getattr(torch, resolve_dtype(name, device))
 
 
 def pick_device(device: str) -> str:
+    """The resolved device, checked against what this torch build can use."""
     import torch
 
-    if device == "auto":
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    return device
+    resolved = resolve_device(device)
+    if resolved.startswith("cuda") and not torch.cuda.is_available():
+        raise EagletError(
+            f"device '{device}' resolved to {resolved} (an NVIDIA driver is loaded) but this "
+            "torch build cannot use CUDA: set device: cpu, or install a CUDA build of torch"
+        )
+    return resolved
 
 
 def _quiet_hub_bars() -> None:

@@ -35,13 +35,15 @@ from safetensors.torch import save_file
 from torch import Tensor
 
 from eaglet import drafter_data, vocab
+from eaglet.atomic import atomic_path, write_text
+from eaglet.device import resolve_dtype
 from eaglet.drafter import Drafter, DrafterConfig
 from eaglet.errors import EagletError
-from eaglet.io import atomic_path, write_json, write_text
+from eaglet.io import write_json
 from eaglet.keys import Keys, sidecar_of
 from eaglet.params import Params
 from eaglet.progress import Progress
-from eaglet.target import load_config, load_head, spec_of
+from eaglet.target import load_config, load_head, pick_device, spec_of
 
 
 def shift(x: Tensor, n: int) -> Tensor:
@@ -115,13 +117,13 @@ class Run:
     def __init__(self, dtype: str, device: str = "auto"):
         self.world = int(os.environ.get("WORLD_SIZE", "1"))
         self.rank = int(os.environ.get("RANK", "0"))
-        cuda = torch.cuda.is_available() if device == "auto" else device == "cuda"
+        cuda = pick_device(device).startswith("cuda")
         self.device = torch.device(f"cuda:{os.environ.get('LOCAL_RANK', '0')}" if cuda else "cpu")
         if cuda:
             torch.cuda.set_device(self.device)
         if self.world > 1 and not dist.is_initialized():
             dist.init_process_group("nccl" if cuda else "gloo")
-        self.dtype = dtype if dtype != "auto" else ("bfloat16" if cuda else "float32")
+        self.dtype = resolve_dtype(dtype, self.device.type)
 
     def autocast(self):
         if self.dtype == "float32":

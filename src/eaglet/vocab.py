@@ -13,9 +13,10 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
+from eaglet.atomic import atomic_path
 from eaglet.drafter_data import open_readers
 from eaglet.errors import EagletError
-from eaglet.io import atomic_path, write_json
+from eaglet.io import write_json
 from eaglet.keys import Keys, sidecar_of
 from eaglet.params import Params
 
