@@ -163,7 +163,7 @@ def test_plumbing_only_commit_has_nothing_to_do(repo):
 def test_artifacts_hold_no_path_of_the_building_machine(repo):
     """Built on this machine, readable on any other: no absolute path in any artifact or sidecar
     (exports name the target by its hub id)."""
-    machine = [str(repo), str(Path.home()), "/tmp/"]
+    machine = [str(repo), str(ROOT), sys.prefix, str(Path.home()), "/tmp/"]
     for top in ("data/prompts", "data/responses", "data/hidden", "models"):
         for path in (repo / top).rglob("*"):
             if path.is_file() and path.suffix in (".json", ".csv", ".jsonl"):
