@@ -166,9 +166,9 @@ def attend(
     positions <= its own, plus, from each (k, v) pair in `diagonal`, the one key at the query's
     own index. q [B, h, T, d]; k, v [B, kv_h, S, d]; diagonal pairs [B, kv_h, T, d].
 
-    Queries go in chunks of rows so that at most `scores` (default SCORES) exist at once; under autograd
-    a chunk's scores are recomputed in backward rather than kept, so memory grows linearly
-    with T (compute stays quadratic)."""
+    Queries go in chunks of rows so that at most `scores` (default SCORES) exist at once;
+    under autograd a chunk's scores are recomputed in backward rather than kept, so memory
+    grows linearly with T (compute stays quadratic)."""
     groups = q.shape[1] // k.shape[1]
     k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
     dk = [kd.repeat_interleave(groups, dim=1) for kd, _ in diagonal]
