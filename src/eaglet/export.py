@@ -23,13 +23,15 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
+from eaglet import target as target_files
 from eaglet import train
+from eaglet.arch import rope
 from eaglet.drafter import Drafter, DrafterConfig
 from eaglet.errors import EagletError
 from eaglet.io import atomic_path, read_json, write_json
 from eaglet.keys import Keys, sidecar_of
 from eaglet.params import Params
-from eaglet.target import load_config, materialize, spec_of
+from eaglet.target import materialize, spec_of
 
 FORMATS = ("sglang", "vllm")
 DTYPE = "bfloat16"  # what both engines serve drafts in
@@ -51,7 +53,12 @@ def layer_config(cfg: DrafterConfig) -> dict:
         "head_dim": cfg.head_dim,
         "rms_norm_eps": cfg.rms_norm_eps,
         "rope_theta": cfg.rope_theta,
-        "rope_scaling": None,
+        # both spellings of the kind: engines and transformers versions read one or the other
+        "rope_scaling": (
+            None
+            if cfg.rope_scaling is None
+            else {**cfg.rope_scaling, "type": cfg.rope_scaling["rope_type"]}
+        ),
         "max_position_embeddings": cfg.max_position_embeddings,
         "vocab_size": cfg.vocab_size,
         "attention_bias": False,
@@ -60,7 +67,7 @@ def layer_config(cfg: DrafterConfig) -> dict:
     }
 
 
-def sglang_config(cfg: DrafterConfig) -> dict:
+def sglang_config(cfg: DrafterConfig, differs: dict | None = None) -> dict:
     out = {
         "architectures": ["LlamaForCausalLMEagle3"],
         **layer_config(cfg),
@@ -73,10 +80,18 @@ def sglang_config(cfg: DrafterConfig) -> dict:
     }
     if cfg.target_hidden_size != cfg.hidden_size:
         out["target_hidden_size"] = cfg.target_hidden_size
-    return out
+    return out | _provenance(differs)
 
 
-def vllm_config(cfg: DrafterConfig, verifier: dict, num_steps: int) -> dict:
+def _provenance(differs: dict | None) -> dict:
+    """eaglet's own record (engines ignore it): the target's value of every layer field where
+    the drafter's differs (null: the target has no such field, e.g. MLA's head_dim)."""
+    return {"eaglet": {"arch_differs_from_target": differs or {}}}
+
+
+def vllm_config(
+    cfg: DrafterConfig, verifier: dict, num_steps: int, differs: dict | None = None
+) -> dict:
     import transformers
 
     return {
@@ -99,7 +114,7 @@ def vllm_config(cfg: DrafterConfig, verifier: dict, num_steps: int) -> dict:
         "embed_requires_grad": False,
         "torch_dtype": DTYPE,
         "transformers_version": transformers.__version__,
-    }
+    } | _provenance(differs)
 
 
 def tensors(model: Drafter, fmt: str) -> dict[str, torch.Tensor]:
@@ -115,10 +130,20 @@ def tensors(model: Drafter, fmt: str) -> dict[str, torch.Tensor]:
     return out
 
 
-def write(model: Drafter, fmt: str, folder: Path, verifier: dict, num_steps: int = 3) -> None:
+def write(
+    model: Drafter,
+    fmt: str,
+    folder: Path,
+    verifier: dict,
+    num_steps: int = 3,
+    differs: dict | None = None,
+) -> None:
     """Write config.json and model.safetensors of the format into `folder`."""
     cfg = model.cfg
-    config = sglang_config(cfg) if fmt == "sglang" else vllm_config(cfg, verifier, num_steps)
+    if fmt == "sglang":
+        config = sglang_config(cfg, differs)
+    else:
+        config = vllm_config(cfg, verifier, num_steps, differs)
     write_json(folder / "config.json", config)
     save_file(tensors(model, fmt), str(folder / "model.safetensors"), metadata={"format": "pt"})
 
@@ -197,10 +222,12 @@ def read_config(folder: Path) -> tuple[str, DrafterConfig]:
         "vocab_size",
     )
     values = {f: _need(layer, f, where) for f in fields}
+    scaling = rope(layer)[1]
     cfg = DrafterConfig(
         draft_vocab_size=_need(c, "draft_vocab_size", where),
         target_hidden_size=target_h,
         aux_layer_ids=tuple(ids),
+        rope_scaling=scaling,
         **values,
     )
     return fmt, cfg
@@ -320,11 +347,15 @@ def build(params: Params, drafter: str, fmt: str, out: Path | None = None) -> tu
     model = train.load(trained)
     spec = spec_of(params)
     target = materialize(spec)
-    verifier = {"name_or_path": target, "architectures": load_config(spec).architectures}
+    verifier = {
+        "name_or_path": target,
+        "architectures": target_files.read_config(spec)[0].get("architectures"),
+    }
+    differs = keys.provenance("train", drafter)["params"]["arch_differs_from_target"]
     num_steps = min(params.drafter(drafter)["evaluate"]["num_steps"])
     command = serve_command(fmt, target, out.resolve(), num_steps)
     with atomic_path(out, directory=True) as tmp:
-        write(model, fmt, tmp, verifier, num_steps)
+        write(model, fmt, tmp, verifier, num_steps, differs)
         report = validate(tmp, model)
         write_json(sidecar_of(out), {"provenance": prov, "stats": report | {"serve": command}})
     return out, command

@@ -17,12 +17,12 @@ from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
 
-from eaglet import __version__
+from eaglet import __version__, arch
 from eaglet.errors import EagletError
 from eaglet.hashing import JsonCache, file_digest
 from eaglet.io import dumps
 from eaglet.params import Params
-from eaglet.target import spec_of
+from eaglet.target import read_config, spec_of, text_config
 
 KEY_LEN = 12
 
@@ -152,11 +152,20 @@ class Keys:
         self.params = params
         self._memo: dict[tuple[str, str], dict] = {}
         self._target: dict | None = None
+        self._text: tuple[dict, str, str] | None = None
 
     def target_identity(self) -> dict:
         if self._target is None:
             self._target = spec_of(self.params).identity()
         return self._target
+
+    def target_text_config(self) -> tuple[dict, str, str]:
+        """(the target's text config as JSON, file, field prefix): config.json alone is read."""
+        if self._text is None:
+            raw, where = read_config(spec_of(self.params))
+            self._text = (*text_config(raw), where)
+        text, prefix, where = self._text
+        return text, where, prefix
 
     def provenance(self, stage: str, name: str) -> dict:
         """What made the artifact: the inputs of its key, and the key itself."""
@@ -242,13 +251,21 @@ def _hidden_slice(keys: Keys, ds: str) -> tuple[dict, dict]:
         compute["dtype"] = h["compute_dtype"]
     slice_ = {
         "target": keys.target_identity(),
-        "max_length": keys.params.target["max_length"],
-        "aux_layer_ids": h.get("aux_layer_ids", "sglang-default"),
+        "max_length": keys.params.max_length(ds),
+        "aux_layer_ids": sglang_layer_ids(h) or "sglang-default",
         "compute": compute,
         "dtype": h["dtype"],
         "storage": {"compress": h["compress"], "fp8": h["fp8"], "shard_mb": h["shard_mb"]},
     }
     return slice_, {"responses": keys.key("responses", ds)}
+
+
+def sglang_layer_ids(hidden: dict) -> list[int] | None:
+    """`hidden.aux_layer_ids` in SGLang's convention (vLLM ids are SGLang's + 1), or None."""
+    ids = hidden.get("aux_layer_ids")
+    if ids is None:
+        return None
+    return [i - 1 for i in ids] if hidden["aux_layer_convention"] == "vllm" else list(ids)
 
 
 def _hidden_keys(keys: Keys, drafter: str) -> dict:
@@ -263,11 +280,15 @@ def _vocab_slice(keys: Keys, drafter: str) -> tuple[dict, dict]:
 def _train_slice(keys: Keys, drafter: str) -> tuple[dict, dict]:
     p, d = keys.params, keys.params.drafter(drafter)
     train = {k: v for k, v in d["train"].items() if k not in ("checkpoint_every", "device")}
-    train["max_length"] = train.get("max_length") or p.target["max_length"]
+    train["max_length"] = train.get("max_length") or max(map(p.max_length, d["datasets"]))
+    text, where, prefix = keys.target_text_config()
+    resolved = arch.resolve(text, d["arch"], where, prefix)
     slice_ = {
         "train": train,
         "heldout_fraction": d["heldout_fraction"],
         "target": keys.target_identity(),  # the frozen embeddings and lm_head come from it
+        "arch": resolved,  # resolved: every field, never "from the target"
+        "arch_differs_from_target": arch.differs(text, resolved),
     }
     upstream = {"vocab": keys.key("vocab", drafter), "hidden": _hidden_keys(keys, drafter)}
     return slice_, upstream
