@@ -6,6 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from eaglet import drafter as drafter_module
 from eaglet import train, vocab
 from eaglet.drafter import Drafter, DrafterConfig, KVCache
 from eaglet.errors import EagletError
@@ -76,11 +77,17 @@ def test_forward_shapes():
     assert model.to_target(torch.tensor([0, 2, 5])).tolist() == [0, 3, 11]
 
 
-def test_ttt_step_k_is_what_chain_decoding_computes():
+YARN = {"rope_type": "yarn", "factor": 8.0, "original_max_position_embeddings": 4}
+
+
+@pytest.mark.parametrize("scaling,scores", [(None, None), (YARN, 5)])
+def test_ttt_step_k_is_what_chain_decoding_computes(monkeypatch, scaling, scores):
     """Training's step k at position t equals decoding: step-0 entries up to t from the target's
-    features, then k chain steps on the (teacher-forced) next tokens."""
+    features, then k chain steps on the (teacher-forced) next tokens. Also with YaRN and with
+    attention cut into chunks of one query row."""
+    monkeypatch.setattr(drafter_module, "SCORES", scores or drafter_module.SCORES)
     torch.manual_seed(1)
-    model = Drafter(tiny_config()).eval()
+    model = Drafter(tiny_config(rope_scaling=scaling)).eval()
     aux, ids = torch.randn(1, 9, 3, 8), torch.randint(0, 12, (1, 9))
     with torch.no_grad():
         ttt = model(aux, ids, 3)
@@ -193,3 +200,58 @@ def test_two_ttt_steps_against_a_hand_computed_loss():
         want = want + 0.8**k * torch.stack(terms).mean()
     assert skipped > 0  # a target argmax outside the draft vocab was masked
     assert torch.allclose(got, want, atol=1e-5), (got, want)
+
+
+def _attend_full(q, k, v, past, diagonal):
+    """The explicit score matrix: [B, h, T, S + len(diagonal)] scores, masked, one softmax."""
+    g = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(g, 1), v.repeat_interleave(g, 1)
+    t, s = q.shape[2], k.shape[2]
+    allowed = (torch.arange(t)[:, None] + past) >= torch.arange(s)[None, :]
+    scores = (q @ k.transpose(-2, -1)).masked_fill(~allowed, float("-inf"))
+    diag = [(q * kd.repeat_interleave(g, 1)).sum(-1, keepdim=True) for kd, _ in diagonal]
+    w = torch.softmax(torch.cat([scores, *diag], -1) / q.shape[-1] ** 0.5, -1)
+    out = w[..., :s] @ v
+    for j, (_, vd) in enumerate(diagonal):
+        out = out + w[..., s + j : s + j + 1] * vd.repeat_interleave(g, 1)
+    return out
+
+
+@pytest.mark.parametrize("past", [0, 5])
+def test_chunked_attention_equals_the_full_score_matrix_with_gradients(past):
+    """Chunks of 3 query rows (budget of 3·4·S scores), checkpointed: same outputs and same
+    gradients as one explicit [B, h, T, S + k] softmax."""
+    torch.manual_seed(3)
+    t, s = 11, 11 + past
+    q = torch.randn(2, 4, t, 8, requires_grad=True)
+    k, v = torch.randn(2, 2, s, 8, requires_grad=True), torch.randn(2, 2, s, 8)
+    diagonal = [(torch.randn(2, 2, t, 8), torch.randn(2, 2, t, 8)) for _ in range(2 if past else 0)]
+    got = drafter_module.attend(q, k, v, past, diagonal, scores=3 * 2 * 4 * s)
+    want = _attend_full(q, k, v, past, diagonal)
+    assert torch.allclose(got, want, atol=1e-5)
+    w = torch.randn_like(got)
+    g_got = torch.autograd.grad((got * w).sum(), (q, k))
+    g_want = torch.autograd.grad((want * w).sum(), (q, k))
+    for a, b in zip(g_got, g_want, strict=True):
+        assert torch.allclose(a, b, atol=1e-5)
+
+
+def test_yarn_frequencies_equal_transformers():
+    """The drafter's YaRN (inverse frequencies and cos/sin factor) against transformers' own
+    implementation, for Kimi-K2.5's scaling and for the plain-factor case."""
+    from transformers import LlamaConfig
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    kimi = {"factor": 64.0, "original_max_position_embeddings": 4096, "beta_fast": 32.0}
+    kimi |= {"beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0}
+    for scaling in (kimi, {"factor": 4.0, "original_max_position_embeddings": 512}):
+        params = {"rope_type": "yarn", "rope_theta": 50000.0, **scaling}
+        cfg = LlamaConfig(
+            hidden_size=1024, num_attention_heads=8, head_dim=128, rope_parameters=params
+        )
+        inv_freq, factor = ROPE_INIT_FUNCTIONS["yarn"](cfg, "cpu")
+        mine, my_factor = drafter_module.rope_frequencies(128, 50000.0, scaling)
+        assert torch.allclose(mine, inv_freq, rtol=1e-6) and my_factor == pytest.approx(factor)
+    assert drafter_module.rope_frequencies(128, 50000.0, kimi)[1] == 1.0  # mscale ratio
+    plain, one = drafter_module.rope_frequencies(64, 1e4, None)
+    assert one == 1.0 and torch.allclose(plain, 1e4 ** -(torch.arange(0, 64, 2) / 64))

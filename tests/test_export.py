@@ -50,6 +50,7 @@ def test_sglang_export_round_trip(trained, tmp_path):
             "eagle_aux_hidden_state_layer_ids": [1, 3, 4],
             "use_aux_hidden_state": True,
         },
+        "eaglet": {"arch_differs_from_target": {}},
     }
     tensors = load_file(str(out / "model.safetensors"))
     assert "embed_tokens.weight" not in tensors
@@ -89,6 +90,7 @@ def test_vllm_export_round_trip(trained, tmp_path):
         "norm_output": False,
         "embed_requires_grad": False,
         "torch_dtype": "bfloat16",
+        "eaglet": {"arch_differs_from_target": {}},
     }
     tensors = load_file(str(out / "model.safetensors"))
     assert tensors["embed_tokens.weight"].shape == (1024, 256)

@@ -53,7 +53,7 @@ def test_local_folder_and_errors(tmp_path):
     folder = materialize(resolve(SMOLLM2))
     local = resolve(folder)
     assert local.kind == "local" and len(local.identity()["tree_sha256"]) == 64
-    assert resolve("org/model").kind == "hub"
+    assert resolve("org/model", "a" * 40).kind == "hub"
     (tmp_path / "empty").mkdir()
     with pytest.raises(EagletError, match=r"no config\.json"):
         resolve(str(tmp_path / "empty"))

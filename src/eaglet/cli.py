@@ -119,6 +119,15 @@ def cmd_import_responses(args: argparse.Namespace) -> None:
     )
 
 
+def cmd_plan(args: argparse.Namespace) -> None:
+    import json
+
+    from eaglet import plan
+
+    report = plan.plan(_params(args), args.target_config)
+    print(json.dumps(report, indent=2) if args.json else plan.render(report))
+
+
 def cmd_status(args: argparse.Namespace) -> None:
     from eaglet import status
 
@@ -236,6 +245,12 @@ def parser() -> argparse.ArgumentParser:
         g.add_argument("--quiet", action="store_true", help="log lines instead of a live bar")
     g = stage("export", cmd_export, "write and validate an SGLang or vLLM draft folder", "drafter")
     g.add_argument("--to", choices=["sglang", "vllm"], required=True, help="serving engine")
+
+    p = sub.add_parser("plan", help="prompts, tokens, dollars and disk before anything runs")
+    p.add_argument("--target-config", type=Path, help="the target's config.json, if not local")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    _add_common(p)
+    p.set_defaults(fn=cmd_plan)
 
     p = sub.add_parser("status", help="every artifact: current key, built or missing, stats")
     p.add_argument("--json", action="store_true", help="machine-readable output")

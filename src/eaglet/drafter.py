@@ -17,12 +17,16 @@ embeddings. Decoding appends to a KVCache; training runs all steps at once (`for
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.utils.checkpoint import checkpoint
+
+from eaglet.arch import resolve as resolve_arch
 
 
 @dataclass(frozen=True)
@@ -39,28 +43,28 @@ class DrafterConfig:
     rope_theta: float
     max_position_embeddings: int
     aux_layer_ids: tuple[int, ...]  # SGLang convention: the output of decoder layer k
+    rope_scaling: dict | None = None  # YaRN: {rope_type: yarn, factor, ...}; None: plain RoPE
 
     @classmethod
     def from_target(
-        cls, target: Any, draft_vocab_size: int, aux_layer_ids: list[int]
+        cls,
+        target: Any,
+        draft_vocab_size: int,
+        aux_layer_ids: list[int],
+        arch: dict | None = None,
+        where: str = "target config",
     ) -> DrafterConfig:
-        """Sizes from the target's transformers config (the drafter mirrors one target layer)."""
-        rope = getattr(target, "rope_parameters", None) or {}
-        theta = rope.get("rope_theta", getattr(target, "rope_theta", 10000.0))
-        heads = target.num_attention_heads
+        """Sizes from the target's text config (a dict, or a config object) and `arch`, the
+        params' choices over the defaults of eaglet.arch (Llama-like: mirror one target layer;
+        MLA: the published Kimi drafters' shape)."""
+        text = target if isinstance(target, dict) else _as_dict(target)
+        resolved = resolve_arch(text, arch or {}, where)
         return cls(
-            vocab_size=target.vocab_size,
+            vocab_size=text["vocab_size"],
             draft_vocab_size=draft_vocab_size,
-            hidden_size=target.hidden_size,
-            target_hidden_size=target.hidden_size,
-            intermediate_size=target.intermediate_size,
-            num_attention_heads=heads,
-            num_key_value_heads=getattr(target, "num_key_value_heads", None) or heads,
-            head_dim=getattr(target, "head_dim", None) or target.hidden_size // heads,
-            rms_norm_eps=float(target.rms_norm_eps),
-            rope_theta=float(theta),
-            max_position_embeddings=target.max_position_embeddings,
+            target_hidden_size=text["hidden_size"],
             aux_layer_ids=tuple(aux_layer_ids),
+            **resolved,
         )
 
     def to_dict(self) -> dict:
@@ -71,6 +75,10 @@ class DrafterConfig:
     @classmethod
     def from_dict(cls, d: dict) -> DrafterConfig:
         return cls(**{**d, "aux_layer_ids": tuple(d["aux_layer_ids"])})
+
+
+def _as_dict(config: Any) -> dict:
+    return config.to_dict() if hasattr(config, "to_dict") else dict(vars(config))
 
 
 class RMSNorm(nn.Module):
@@ -85,13 +93,40 @@ class RMSNorm(nn.Module):
         return self.weight * xf.to(x.dtype)
 
 
-def rope(x: Tensor, pos: Tensor, theta: float) -> Tensor:
+def rope_frequencies(d: int, theta: float, scaling: dict | None) -> tuple[Tensor, float]:
+    """(inverse frequencies [d/2], factor on cos/sin) of RoPE, or of YaRN when `scaling` says:
+    dimensions rotating fewer than beta_slow times over the original context are interpolated
+    (frequency / factor), those rotating more than beta_fast times kept, a linear ramp between,
+    and cos/sin scaled by the attention factor (0.1·ln(factor) + 1, or the mscale ratio)."""
+    inv_freq = 1.0 / theta ** (torch.arange(0, d, 2, dtype=torch.float32) / d)
+    if scaling is None:
+        return inv_freq, 1.0
+    factor, original = scaling["factor"], scaling["original_max_position_embeddings"]
+    fast, slow = scaling.get("beta_fast") or 32, scaling.get("beta_slow") or 1
+
+    def dim_of(rotations: float) -> float:  # the dimension that turns `rotations` times
+        return d * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+    low, high = max(math.floor(dim_of(fast)), 0), min(math.ceil(dim_of(slow)), d - 1)
+    ramp = ((torch.arange(d // 2, dtype=torch.float32) - low) / max(high - low, 1e-3)).clamp(0, 1)
+    inv_freq = inv_freq / factor * ramp + inv_freq * (1 - ramp)
+
+    def mscale(m: float = 1.0) -> float:
+        return 0.1 * m * math.log(factor) + 1.0 if factor > 1 else 1.0
+
+    attn = scaling.get("attention_factor")
+    if attn is None:
+        m, m_all = scaling.get("mscale"), scaling.get("mscale_all_dim")
+        attn = mscale(m) / mscale(m_all) if m and m_all else mscale()
+    return inv_freq, float(attn)
+
+
+def rope(x: Tensor, pos: Tensor, inv_freq: Tensor, factor: float = 1.0) -> Tensor:
     """Rotary position embedding (Llama's rotate-half form) of x [B, heads, T, d] at pos [T]."""
     d = x.shape[-1]
-    inv_freq = 1.0 / theta ** (torch.arange(0, d, 2, device=x.device, dtype=torch.float32) / d)
     freqs = pos.to(torch.float32)[:, None] * inv_freq[None, :]
     emb = torch.cat([freqs, freqs], dim=-1)
-    cos, sin = emb.cos().to(x.dtype), emb.sin().to(x.dtype)
+    cos, sin = (emb.cos() * factor).to(x.dtype), (emb.sin() * factor).to(x.dtype)
     x1, x2 = x[..., : d // 2], x[..., d // 2 :]
     return x * cos + torch.cat([-x2, x1], dim=-1) * sin
 
@@ -116,24 +151,57 @@ class KVCache:
             self.k, self.v = self.k[:, :, :n], self.v[:, :, :n]
 
 
+SCORES = 2**24  # attention scores held at once (fp32: 64 MiB), whatever the sequence length
+
+
 def attend(
-    q: Tensor, k: Tensor, v: Tensor, mask: Tensor, diagonal: list[tuple[Tensor, Tensor]]
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    past: int,
+    diagonal: list[tuple[Tensor, Tensor]],
+    scores: int | None = None,
 ) -> Tensor:
-    """softmax(q·k/√d)·v over the keys `mask` [T, S] allows, plus, from each (k, v) pair in
-    `diagonal`, the one key at the query's own position. q [B, h, T, d]; k, v [B, kv_h, S, d]."""
+    """softmax(q·k/√d)·v, causal: query i sits at position past + i and sees the keys at
+    positions <= its own, plus, from each (k, v) pair in `diagonal`, the one key at the query's
+    own index. q [B, h, T, d]; k, v [B, kv_h, S, d]; diagonal pairs [B, kv_h, T, d].
+
+    Queries go in chunks of rows so that at most `scores` (default SCORES) exist at once;
+    under autograd a chunk's scores are recomputed in backward rather than kept, so memory
+    grows linearly with T (compute stays quadratic)."""
     groups = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+    dk = [kd.repeat_interleave(groups, dim=1) for kd, _ in diagonal]
+    dv = [vd.repeat_interleave(groups, dim=1) for _, vd in diagonal]
+    b, h, t, _ = q.shape
+    rows = max(1, (scores or SCORES) // (b * h * k.shape[2]))
+    out = []
+    for i in range(0, t, rows):
+        j = min(i + rows, t)
+        seen = min(past + j, k.shape[2])  # the last key any query of the chunk may see
+        args = (q[:, :, i:j], k[:, :, :seen], v[:, :, :seen], past + i)
+        args += ([x[:, :, i:j] for x in dk], [x[:, :, i:j] for x in dv])
+        if torch.is_grad_enabled():
+            out.append(checkpoint(_attend_rows, *args, use_reentrant=False))
+        else:
+            out.append(_attend_rows(*args))
+    return torch.cat(out, dim=2)
 
-    def heads(t: Tensor) -> Tensor:
-        return t.repeat_interleave(groups, dim=1)
 
+def _attend_rows(
+    q: Tensor, k: Tensor, v: Tensor, start: int, dk: list[Tensor], dv: list[Tensor]
+) -> Tensor:
+    """attend() for the queries at positions start.. over keys of the same head count."""
     scale = q.shape[-1] ** -0.5
-    scores = [(q @ heads(k).transpose(-2, -1) * scale).masked_fill(~mask, float("-inf"))]
-    scores += [(q * heads(kd)).sum(-1, keepdim=True) * scale for kd, _ in diagonal]
+    qpos = torch.arange(q.shape[2], device=q.device)[:, None] + start
+    causal = qpos >= torch.arange(k.shape[2], device=q.device)[None, :]
+    scores = [(q @ k.transpose(-2, -1) * scale).masked_fill(~causal, float("-inf"))]
+    scores += [(q * kd).sum(-1, keepdim=True) * scale for kd in dk]
     w = torch.softmax(torch.cat(scores, dim=-1).float(), dim=-1).to(q.dtype)
     s = k.shape[2]
-    out = w[..., :s] @ heads(v)
-    for j, (_, vd) in enumerate(diagonal):
-        out = out + w[..., s + j : s + j + 1] * heads(vd)
+    out = w[..., :s] @ v
+    for j, vd in enumerate(dv):
+        out = out + w[..., s + j : s + j + 1] * vd
     return out
 
 
@@ -143,7 +211,8 @@ class Attention(nn.Module):
         h, d = cfg.hidden_size, cfg.head_dim
         self.heads, self.kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
         self.head_dim = d
-        self.theta = cfg.rope_theta
+        inv_freq, self.rope_factor = rope_frequencies(d, cfg.rope_theta, cfg.rope_scaling)
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
         self.q_proj = nn.Linear(2 * h, self.heads * d, bias=False)
         self.k_proj = nn.Linear(2 * h, self.kv_heads * d, bias=False)
         self.v_proj = nn.Linear(2 * h, self.kv_heads * d, bias=False)
@@ -156,17 +225,16 @@ class Attention(nn.Module):
         q = self.q_proj(x).view(b, t, self.heads, self.head_dim).transpose(1, 2)
         k = self.k_proj(x).view(b, t, self.kv_heads, self.head_dim).transpose(1, 2)
         v = self.v_proj(x).view(b, t, self.kv_heads, self.head_dim).transpose(1, 2)
-        q, k = rope(q, pos, self.theta), rope(k, pos, self.theta)
+        q = rope(q, pos, self.inv_freq, self.rope_factor)
+        k = rope(k, pos, self.inv_freq, self.rope_factor)
         if diagonal is None:  # decoding, or the first training step: causal over the cache
             past = len(cache)
             keys, values = cache.add(k, v)
-            qi = torch.arange(t, device=x.device)[:, None] + past
-            mask = qi >= torch.arange(past + t, device=x.device)[None, :]
         else:  # a later training step: step-0 keys causally, then this position's own chain
+            past = 0
             diagonal.append((k, v))
             keys, values = cache.k, cache.v
-            mask = torch.ones(t, t, dtype=torch.bool, device=x.device).tril()
-        out = attend(q, keys, values, mask, diagonal or [])
+        out = attend(q, keys, values, past, diagonal or [])
         return self.o_proj(out.transpose(1, 2).reshape(b, t, -1))
 
 

@@ -24,14 +24,15 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
+from eaglet import target as target_files
 from eaglet import train
+from eaglet.arch import rope
 from eaglet.atomic import atomic_path
 from eaglet.drafter import Drafter, DrafterConfig
 from eaglet.errors import EagletError
 from eaglet.io import read_json, write_json
 from eaglet.keys import Keys, sidecar_of
 from eaglet.params import Params
-from eaglet.target import load_config
 
 FORMATS = ("sglang", "vllm")
 DTYPE = "bfloat16"  # what both engines serve drafts in
@@ -53,7 +54,12 @@ def layer_config(cfg: DrafterConfig) -> dict:
         "head_dim": cfg.head_dim,
         "rms_norm_eps": cfg.rms_norm_eps,
         "rope_theta": cfg.rope_theta,
-        "rope_scaling": None,
+        # both spellings of the kind: engines and transformers versions read one or the other
+        "rope_scaling": (
+            None
+            if cfg.rope_scaling is None
+            else {**cfg.rope_scaling, "type": cfg.rope_scaling["rope_type"]}
+        ),
         "max_position_embeddings": cfg.max_position_embeddings,
         "vocab_size": cfg.vocab_size,
         "attention_bias": False,
@@ -62,7 +68,7 @@ def layer_config(cfg: DrafterConfig) -> dict:
     }
 
 
-def sglang_config(cfg: DrafterConfig) -> dict:
+def sglang_config(cfg: DrafterConfig, differs: dict | None = None) -> dict:
     out = {
         "architectures": ["LlamaForCausalLMEagle3"],
         **layer_config(cfg),
@@ -75,10 +81,18 @@ def sglang_config(cfg: DrafterConfig) -> dict:
     }
     if cfg.target_hidden_size != cfg.hidden_size:
         out["target_hidden_size"] = cfg.target_hidden_size
-    return out
+    return out | _provenance(differs)
 
 
-def vllm_config(cfg: DrafterConfig, verifier: dict, num_steps: int) -> dict:
+def _provenance(differs: dict | None) -> dict:
+    """eaglet's own record (engines ignore it): the target's value of every layer field where
+    the drafter's differs (null: the target has no such field, e.g. MLA's head_dim)."""
+    return {"eaglet": {"arch_differs_from_target": differs or {}}}
+
+
+def vllm_config(
+    cfg: DrafterConfig, verifier: dict, num_steps: int, differs: dict | None = None
+) -> dict:
     return {
         "architectures": ["Eagle3Speculator"],
         "speculators_model_type": "eagle3",
@@ -98,7 +112,7 @@ def vllm_config(cfg: DrafterConfig, verifier: dict, num_steps: int) -> dict:
         **dict.fromkeys(NORM_FLAGS, False),
         "embed_requires_grad": False,
         "torch_dtype": DTYPE,
-    }
+    } | _provenance(differs)
 
 
 def tensors(model: Drafter, fmt: str) -> dict[str, torch.Tensor]:
@@ -114,10 +128,20 @@ def tensors(model: Drafter, fmt: str) -> dict[str, torch.Tensor]:
     return out
 
 
-def write(model: Drafter, fmt: str, folder: Path, verifier: dict, num_steps: int = 3) -> None:
+def write(
+    model: Drafter,
+    fmt: str,
+    folder: Path,
+    verifier: dict,
+    num_steps: int = 3,
+    differs: dict | None = None,
+) -> None:
     """Write config.json and model.safetensors of the format into `folder`."""
     cfg = model.cfg
-    config = sglang_config(cfg) if fmt == "sglang" else vllm_config(cfg, verifier, num_steps)
+    if fmt == "sglang":
+        config = sglang_config(cfg, differs)
+    else:
+        config = vllm_config(cfg, verifier, num_steps, differs)
     write_json(folder / "config.json", config)
     save_file(tensors(model, fmt), str(folder / "model.safetensors"), metadata={"format": "pt"})
 
@@ -196,10 +220,12 @@ def read_config(folder: Path) -> tuple[str, DrafterConfig]:
         "vocab_size",
     )
     values = {f: _need(layer, f, where) for f in fields}
+    scaling = rope(layer)[1]
     cfg = DrafterConfig(
         draft_vocab_size=_need(c, "draft_vocab_size", where),
         target_hidden_size=target_h,
         aux_layer_ids=tuple(ids),
+        rope_scaling=scaling,
         **values,
     )
     return fmt, cfg
@@ -318,16 +344,19 @@ def build(params: Params, drafter: str, fmt: str, out: Path | None = None) -> tu
     if not trained.exists():
         raise EagletError(f"drafters.{drafter}: not trained yet: {trained}")
     model = train.load(trained)
-    spec = keys.target
     name = prov["params"]["verifier"]
     if name.startswith("./"):  # a folder of the project: named relative to the export itself
         name = os.path.relpath(params.root / name, out.resolve())
-    verifier = {"name_or_path": name, "architectures": load_config(spec).architectures}
+    verifier = {
+        "name_or_path": name,
+        "architectures": target_files.read_config(keys.target)[0].get("architectures"),
+    }
+    differs = keys.provenance("train", drafter)["params"]["arch_differs_from_target"]
     num_steps = prov["params"]["num_steps"]
     draft = os.path.relpath(out.resolve(), params.root.resolve())
     command = serve_command(fmt, prov["params"]["verifier"], draft, num_steps)
     with atomic_path(out, directory=True) as tmp:
-        write(model, fmt, tmp, verifier, num_steps)
+        write(model, fmt, tmp, verifier, num_steps, differs)
         report = validate(tmp, model)
         write_json(sidecar_of(out), {"provenance": prov, "stats": report | {"serve": command}})
     return out, command

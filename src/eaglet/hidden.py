@@ -4,7 +4,7 @@ Per response the sequence is the target's chat template over the prompt messages
 assistant turn. With the record's `output_ids` (what the target generated, stop token included)
 it is exactly prompt ids + output ids; without them (API backends) the turn is derived from the
 template itself (`chat.assistant_turn`). The loss mask is True on the turn's tokens only. Each
-sequence is cut at `target.max_length`.
+sequence is cut at the dataset's `max_length` (default `target.max_length`).
 
 The target is run once per sequence (batched by length) and the outputs of the aux layers
 (SGLang ids, default [1, N//2-1, N-4]) and the final post-norm state are stored in shards
@@ -26,10 +26,10 @@ from eaglet.chat import assistant_turn, prompt_ids, stop_ids
 from eaglet.errors import EagletError
 from eaglet.hidden_store import FORMAT, PartialDir, Storage
 from eaglet.io import dumps, read_jsonl, write_json
-from eaglet.keys import Keys, sidecar_of
+from eaglet.keys import Keys, sglang_layer_ids, sidecar_of
 from eaglet.params import Params
 from eaglet.progress import Progress
-from eaglet.target import TargetSpec, load_tokenizer, materialize, spec_of
+from eaglet.target import TargetSpec, load_config, load_tokenizer, spec_of
 
 VOLATILE_CONFIG_KEYS = ("transformers_version", "_name_or_path", "_model_name_or_path", "dtype")
 
@@ -40,29 +40,29 @@ def default_layer_ids(n_layers: int) -> list[int]:
 
 
 def layer_ids(params: Params, n_layers: int) -> list[int]:
-    ids = params.data["hidden"].get("aux_layer_ids") or default_layer_ids(n_layers)
+    """The aux layers in SGLang's convention, checked against the target's layer count."""
+    h = params.data["hidden"]
+    ids = sglang_layer_ids(h) or default_layer_ids(n_layers)
     bad = [i for i in ids if not 0 <= i < n_layers]
     if bad:
+        shift = 1 if h["aux_layer_convention"] == "vllm" else 0
         raise EagletError(
-            f"{params.path}: hidden.aux_layer_ids: {bad} out of range for a target of "
-            f"{n_layers} layers (SGLang ids: 0 .. {n_layers - 1})"
+            f"{params.path}: hidden.aux_layer_ids: {[i + shift for i in bad]} out of range for "
+            f"a target of {n_layers} layers ({h['aux_layer_convention']} ids: "
+            f"{shift} .. {n_layers - 1 + shift})"
         )
     return list(ids)
 
 
 class Target:
-    """The target's tokenizer, config and identity (weights are loaded by the backend)."""
+    """The target's tokenizer, text config and identity (weights are loaded by the backend)."""
 
-    def __init__(self, params: Params, keys: Keys):
-        from transformers import AutoConfig
-
-        t = params.target
+    def __init__(self, params: Params, keys: Keys, dataset: str):
         self.spec: TargetSpec = spec_of(params)
         self.tokenizer = load_tokenizer(self.spec)
-        folder = materialize(self.spec)
-        self.config = AutoConfig.from_pretrained(folder, revision=self.spec.revision)
+        self.config = load_config(self.spec)
         self.stop = stop_ids(self.tokenizer, self.config)
-        self.max_length = t["max_length"]
+        self.max_length = params.max_length(dataset)
         cfg = {k: v for k, v in self.config.to_dict().items() if k not in VOLATILE_CONFIG_KEYS}
         self.identity = {
             **keys.target_identity(),
@@ -70,7 +70,6 @@ class Target:
             "num_hidden_layers": self.config.num_hidden_layers,
             "hidden_size": self.config.hidden_size,
             "vocab_size": self.config.vocab_size,
-            "max_length": self.max_length,
         }
 
 
@@ -216,7 +215,7 @@ def build(
     h = params.data["hidden"]
     source, records = _responses(keys, dataset)
     t_load = time.monotonic()
-    target = Target(params, keys)
+    target = Target(params, keys, dataset)
     load_s = time.monotonic() - t_load
     ids = layer_ids(params, target.config.num_hidden_layers)
     samples, stats = sequences(records, target, source)
@@ -262,6 +261,7 @@ def build(
         "responses_key": prov["upstream"]["responses"],
         "backend": h["backend"],
         "target": target.identity,
+        "max_length": target.max_length,
         "aux_layer_ids": {
             "sglang": ids,
             "vllm": [i + 1 for i in ids],

@@ -51,7 +51,7 @@ def verify(
         problems.append(f"made from responses {m['responses_key']}, current are {source.name}")
     by_id = {r["id"]: r for r in records}
     meta = {s["id"]: s for s in m["samples"]}
-    target = Target(params, keys)
+    target = Target(params, keys, dataset)
     n = samples or params.data["hidden"]["verify_samples"]
     picked = sorted(random.Random(0).sample(reader.ids, min(n, len(reader))))
     fresh = []

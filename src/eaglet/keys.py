@@ -21,13 +21,13 @@ from dataclasses import dataclass
 from functools import cache, cached_property
 from pathlib import Path
 
-from eaglet import __version__
+from eaglet import __version__, arch
 from eaglet.device import device_type, resolve_dtype
 from eaglet.errors import EagletError
 from eaglet.hashing import JsonCache, file_digest
 from eaglet.io import dumps
 from eaglet.params import Params
-from eaglet.target import TargetSpec, reference, spec_of
+from eaglet.target import TargetSpec, read_config, reference, spec_of, text_config
 
 KEY_LEN = 12
 
@@ -56,8 +56,9 @@ STAGES: dict[str, Stage] = {
 
 
 # Code that never shapes an output byte: the key machinery and params loading (their results
-# enter keys as values), the CLI, progress, status and reports, checks of built artifacts, the
-# response cache, atomic writes, the package version. Editing these moves no key.
+# enter keys as values), the CLI, progress, status and reports (`plan`, the dry-run report),
+# checks of built artifacts, the response cache, atomic writes, the package version. Editing
+# these moves no key.
 PLUMBING = frozenset(
     {
         "eaglet",  # the package: __version__
@@ -73,6 +74,7 @@ PLUMBING = frozenset(
         "eaglet.hidden_verify",
         "eaglet.keys",
         "eaglet.params",
+        "eaglet.plan",
         "eaglet.preflight",
         "eaglet.progress",
         "eaglet.publish",
@@ -184,6 +186,7 @@ class Keys:
     def __init__(self, params: Params):
         self.params = params
         self._memo: dict[tuple[str, str], dict] = {}
+        self._text: tuple[dict, str, str] | None = None
 
     @cached_property
     def target(self) -> TargetSpec:
@@ -196,6 +199,14 @@ class Keys:
     @cached_property
     def _identity(self) -> dict:
         return self.target.identity()
+
+    def target_text_config(self) -> tuple[dict, str, str]:
+        """(the target's text config as JSON, file, field prefix): config.json alone is read."""
+        if self._text is None:
+            raw, where = read_config(self.target)
+            self._text = (*text_config(raw), where)
+        text, prefix, where = self._text
+        return text, where, prefix
 
     def provenance(self, stage: str, name: str) -> dict:
         """What made the artifact: the inputs of its key, and the key itself."""
@@ -282,13 +293,21 @@ def _hidden_slice(keys: Keys, ds: str) -> tuple[dict, dict]:
         compute["dtype"] = resolve_dtype(h["compute_dtype"], h["device"])
     slice_ = {
         "target": keys.target_identity(),
-        "max_length": keys.params.target["max_length"],
-        "aux_layer_ids": h.get("aux_layer_ids", "sglang-default"),
+        "max_length": keys.params.max_length(ds),
+        "aux_layer_ids": sglang_layer_ids(h) or "sglang-default",
         "compute": compute,
         "dtype": h["dtype"],
         "storage": {"compress": h["compress"], "fp8": h["fp8"], "shard_mb": h["shard_mb"]},
     }
     return slice_, {"responses": keys.key("responses", ds)}
+
+
+def sglang_layer_ids(hidden: dict) -> list[int] | None:
+    """`hidden.aux_layer_ids` in SGLang's convention (vLLM ids are SGLang's + 1), or None."""
+    ids = hidden.get("aux_layer_ids")
+    if ids is None:
+        return None
+    return [i - 1 for i in ids] if hidden["aux_layer_convention"] == "vllm" else list(ids)
 
 
 def _hidden_keys(keys: Keys, drafter: str) -> dict:
@@ -303,13 +322,17 @@ def _vocab_slice(keys: Keys, drafter: str) -> tuple[dict, dict]:
 def _train_slice(keys: Keys, drafter: str) -> tuple[dict, dict]:
     p, d = keys.params, keys.params.drafter(drafter)
     train = {k: v for k, v in d["train"].items() if k not in ("checkpoint_every", "device")}
-    train["max_length"] = train.get("max_length") or p.target["max_length"]
+    train["max_length"] = train.get("max_length") or max(map(p.max_length, d["datasets"]))
     train["device"] = device_type(d["train"]["device"])
     train["dtype"] = resolve_dtype(d["train"]["dtype"], d["train"]["device"])
+    text, where, prefix = keys.target_text_config()
+    resolved = arch.resolve(text, d["arch"], where, prefix)
     slice_ = {
         "train": train,
         "heldout_fraction": d["heldout_fraction"],
         "target": keys.target_identity(),  # the frozen embeddings and lm_head come from it
+        "arch": resolved,  # resolved: every field, never "from the target"
+        "arch_differs_from_target": arch.differs(text, resolved),
     }
     upstream = {"vocab": keys.key("vocab", drafter), "hidden": _hidden_keys(keys, drafter)}
     return slice_, upstream

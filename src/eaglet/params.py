@@ -90,6 +90,10 @@ class Params:
         out.update({k: ds[k] for k in GENERATION_KEYS if k in ds})
         return out
 
+    def max_length(self, dataset: str) -> int:
+        """Tokens per hidden-states sequence of the dataset (its own, else target.max_length)."""
+        return self.dataset(dataset).get("max_length", self.target["max_length"])
+
     def backend(self, name: str) -> dict:
         try:
             return self.data["backends"][name]

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import fcntl
 import importlib.util
+import json
 import os
 import re
 import sys
@@ -198,62 +199,143 @@ def load_tokenizer(spec: TargetSpec) -> Any:
     return AutoTokenizer.from_pretrained(materialize(spec), revision=spec.revision)
 
 
+def _fetch(spec: TargetSpec, name: str) -> Path:
+    """A file of the target's folder (a hub target: that one file, downloaded or cached)."""
+    location = materialize(spec)
+    if Path(location).is_dir():
+        return Path(location) / name
+    from huggingface_hub import hf_hub_download
+
+    return Path(hf_hub_download(location, name, revision=spec.revision))
+
+
+def read_config(spec: TargetSpec) -> tuple[dict, str]:
+    """(the target's config.json as written, where it was read): no transformers, no code."""
+    path = _fetch(spec, "config.json")
+    where = f"target {spec.name}: config.json"
+    try:
+        raw = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise EagletError(f"{where}: unreadable: {e}") from None
+    if not isinstance(raw, dict):
+        raise EagletError(f"{where}: not a JSON object")
+    return raw, where
+
+
+# Top-level fields of a multimodal wrapper that its text model inherits when it lacks them.
+INHERITED = ("bos_token_id", "eos_token_id", "pad_token_id", "tie_word_embeddings")
+
+
+def text_config(raw: dict) -> tuple[dict, str]:
+    """The language model's config of a config.json: the whole file, or its `text_config`
+    (multimodal wrappers such as Kimi-K2.5's `kimi_k25`), with the wrapper's token ids.
+    Returns (config, the field path prefix used in error messages)."""
+    inner = raw.get("text_config")
+    if not isinstance(inner, dict):
+        return raw, ""
+    return {**{k: raw[k] for k in INHERITED if k in raw}, **inner}, "text_config."
+
+
+def need(config: dict, field: str, where: str, prefix: str = "") -> Any:
+    """config[field], or one error naming the file and the field."""
+    if config.get(field) is None:
+        raise EagletError(f"{where}: {prefix}{field}: missing, and eaglet cannot determine it")
+    return config[field]
+
+
+def load_config(spec: TargetSpec) -> Any:
+    """The target's language model as a transformers config, without loading weights or remote
+    code: a wrapper's `text_config` is built with transformers' own class for its model_type."""
+    from transformers import AutoConfig
+
+    raw, where = read_config(spec)
+    text, prefix = text_config(raw)
+    model_type = need(text, "model_type", where, prefix)
+    try:
+        return AutoConfig.for_model(**text)
+    except ValueError:
+        raise EagletError(
+            f"{where}: {prefix}model_type: '{model_type}' is not a transformers model type"
+        ) from None
+
+
+def weight_index(spec: TargetSpec) -> dict[str, str]:
+    """Tensor name -> safetensors file, from model.safetensors.index.json or the single file."""
+    from safetensors import safe_open
+
+    try:
+        index = json.loads(_fetch(spec, "model.safetensors.index.json").read_text())
+        return index["weight_map"]
+    except (FileNotFoundError, OSError):
+        pass
+    except (json.JSONDecodeError, KeyError, TypeError):
+        raise EagletError(
+            f"target {spec.name}: model.safetensors.index.json: no weight_map"
+        ) from None
+    try:
+        with safe_open(_fetch(spec, "model.safetensors"), "pt") as f:
+            return dict.fromkeys(f.keys(), "model.safetensors")
+    except (FileNotFoundError, OSError):
+        raise EagletError(
+            f"target {spec.name}: neither model.safetensors.index.json nor model.safetensors"
+        ) from None
+
+
+def text_prefix(spec: TargetSpec, index: dict[str, str]) -> str:
+    """The key prefix of the language model's weights (`language_model.` in Kimi-K2.5's
+    shards), found from the embedding's name: `<prefix>model.embed_tokens.weight`."""
+    names = sorted((n for n in index if n.endswith("model.embed_tokens.weight")), key=len)
+    if not names:
+        raise EagletError(f"target {spec.name}: no *model.embed_tokens.weight in its safetensors")
+    return names[0].removesuffix("model.embed_tokens.weight")
+
+
 def load_model(spec: TargetSpec, device: str = "auto", dtype: str = "auto") -> Any:
-    """Load the target for inference (eval mode, no grad), on `device` in `dtype`."""
+    """Load the target's language model for inference (eval mode, no grad), on `device` in
+    `dtype`; a wrapper's text model is built from its `text_config`, its weights renamed."""
     from transformers import AutoModelForCausalLM
 
     _quiet_hub_bars()
     device = pick_device(device)
-    model = AutoModelForCausalLM.from_pretrained(
-        materialize(spec), revision=spec.revision, dtype=torch_dtype(dtype, device)
-    )
+    kw: dict[str, Any] = {"revision": spec.revision, "dtype": torch_dtype(dtype, device)}
+    raw, _ = read_config(spec)
+    prefix = text_prefix(spec, weight_index(spec))
+    if "text_config" in raw or prefix:
+        kw["config"] = load_config(spec)
+        kw["key_mapping"] = {f"^{re.escape(prefix)}": ""} if prefix else None
+    model = AutoModelForCausalLM.from_pretrained(materialize(spec), **kw)
     return model.to(device).eval().requires_grad_(False)
-
-
-def load_config(spec: TargetSpec) -> Any:
-    """The target's transformers config, without loading weights."""
-    from transformers import AutoConfig
-
-    return AutoConfig.from_pretrained(materialize(spec), revision=spec.revision)
 
 
 def load_head(spec: TargetSpec) -> tuple[Any, Any]:
     """(input embeddings [V, H], lm_head [V, H]) read straight from the safetensors files.
 
-    Only the files holding these two tensors are read (or fetched), so the drafter's trainer
-    never loads the target itself; a tied lm_head is the embedding matrix.
+    Found by suffix under the language model's prefix (a sharded index or one file), so only
+    the shards holding these two tensors are read (or fetched) and the drafter's trainer never
+    loads the target itself; a tied lm_head is the embedding matrix.
     """
-    import json
-
     from safetensors import safe_open
 
-    location = materialize(spec)
-
-    def fetch(name: str) -> Path:
-        if Path(location).is_dir():
-            return Path(location) / name
-        from huggingface_hub import hf_hub_download
-
-        return Path(hf_hub_download(location, name, revision=spec.revision))
-
-    try:
-        index = json.loads(fetch("model.safetensors.index.json").read_text())["weight_map"]
-    except (FileNotFoundError, OSError):
-        index = None
-    if index is None:
-        with safe_open(fetch("model.safetensors"), "pt") as f:
-            index = dict.fromkeys(f.keys(), "model.safetensors")
+    index = weight_index(spec)
+    prefix = text_prefix(spec, index)
+    raw, where = read_config(spec)
+    text, p = text_config(raw)
+    shape = (need(text, "vocab_size", where, p), need(text, "hidden_size", where, p))
     found = {}
-    for suffix in ("embed_tokens.weight", "lm_head.weight"):
-        names = sorted((n for n in index if n.endswith(suffix)), key=len)
-        if names:
-            with safe_open(fetch(index[names[0]]), "pt") as f:
-                found[suffix] = f.get_tensor(names[0])
-    if "embed_tokens.weight" not in found:
-        raise EagletError(f"target {spec.name}: no embed_tokens.weight in its safetensors")
-    embed = found["embed_tokens.weight"]
-    if "lm_head.weight" not in found:
-        if not getattr(load_config(spec), "tie_word_embeddings", False):
-            raise EagletError(f"target {spec.name}: no lm_head.weight and embeddings not tied")
+    for name in (f"{prefix}model.embed_tokens.weight", f"{prefix}lm_head.weight"):
+        if name in index:
+            with safe_open(_fetch(spec, index[name]), "pt") as f:
+                found[name] = f.get_tensor(name)
+            if tuple(found[name].shape) != shape:
+                raise EagletError(
+                    f"target {spec.name}: {index[name]}: {name} has shape "
+                    f"{list(found[name].shape)}, not [vocab_size, hidden_size] = {list(shape)}"
+                )
+    embed = found[f"{prefix}model.embed_tokens.weight"]
+    if f"{prefix}lm_head.weight" not in found:
+        if not load_config(spec).tie_word_embeddings:
+            raise EagletError(
+                f"target {spec.name}: no {prefix}lm_head.weight and embeddings not tied"
+            )
         return embed, embed
-    return embed, found["lm_head.weight"]
+    return embed, found[f"{prefix}lm_head.weight"]

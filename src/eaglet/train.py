@@ -43,7 +43,7 @@ from eaglet.io import write_json
 from eaglet.keys import Keys, sidecar_of
 from eaglet.params import Params
 from eaglet.progress import Progress
-from eaglet.target import load_config, load_head, pick_device, spec_of
+from eaglet.target import load_head, pick_device, spec_of
 
 
 def shift(x: Tensor, n: int) -> Tensor:
@@ -398,8 +398,12 @@ def build(
     d2t, t2d = vocab.load(keys.path("vocab", drafter))
     spec = spec_of(params)
     manifest = readers[0].manifest
-    cfg = DrafterConfig.from_target(
-        load_config(spec), len(d2t), manifest["aux_layer_ids"]["sglang"]
+    cfg = DrafterConfig(
+        vocab_size=manifest["target"]["vocab_size"],
+        draft_vocab_size=len(d2t),
+        target_hidden_size=manifest["target"]["hidden_size"],
+        aux_layer_ids=tuple(manifest["aux_layer_ids"]["sglang"]),
+        **prov["params"]["arch"],  # resolved from the target's config and drafters.<d>.arch
     )
     embed, lm_head = load_head(spec)
     hp = prov["params"]["train"] | {"heldout_fraction": prov["params"]["heldout_fraction"]}

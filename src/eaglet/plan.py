@@ -1,0 +1,231 @@
+"""`eaglet plan`: what a params file will cost before anything runs (reporting only).
+
+Per dataset and in total: prompts, completion tokens (expected and maximal), dollars, and the
+hidden states' tokens and bytes on disk in the configured storage, with a free-disk check
+where they will be written. Nothing is sent, loaded or built; only config.json of the target
+is read (or `--target-config`).
+
+- prompts: the built prompts artifact's count if there is one, else `max_samples`.
+- completion tokens: expected = prompts x `expect.completion_tokens`, max = prompts x
+  `max_new_tokens`; both capped by `token_budget` (the stage keeps the longest prefix of
+  answers that fits).
+- dollars (API backends with `price_per_mtok`): completion tokens x its completion price, plus
+  prompts x `expect.prompt_tokens` x its prompt price when that is given; capped by
+  `max_cost_usd`. Engines on your own GPUs show 0 (their cost is GPU time, not tokens).
+- hidden tokens per sample: prompt + answer, at most the dataset's `max_length`.
+- bytes per token: (K + 1) states x H x 2 (bf16) x the storage's measured ratio
+  (STORAGE_RATIO; bf16 planes for fp32 x 2).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+from eaglet.errors import EagletError
+from eaglet.io import read_json
+from eaglet.keys import Keys, sglang_layer_ids, sidecar_of
+from eaglet.params import Params
+from eaglet.target import read_config, spec_of, text_config
+
+# bytes on disk / (K+1)·H·2 as measured by benchmarks/hidden_states.py on SmolLM2 (README):
+# bf16 1.001, bf16+zstd 0.730, fp8 0.505 (1 byte a value + a float32 scale per token and
+# layer), fp8+zstd 0.434
+STORAGE_RATIO = {
+    ("bfloat16", False, "none"): 1.001,
+    ("bfloat16", False, "zstd"): 0.730,
+    ("fp8", True, "none"): 0.505,
+    ("fp8", True, "zstd"): 0.434,
+}
+
+
+def bytes_per_token(hidden: dict, n_aux: int, width: int) -> float:
+    """Expected bytes on disk per token of the hidden-states stage's storage."""
+    fp8 = hidden["fp8"]
+    dtype = "fp8" if fp8 else "bfloat16"
+    ratio = STORAGE_RATIO[(dtype, fp8, hidden["compress"])]
+    if not fp8 and hidden["dtype"] == "float32":
+        ratio *= 2
+    return (n_aux + 1) * width * 2 * ratio
+
+
+def target_shape(params: Params, config: Path | None = None) -> tuple[int, int, str]:
+    """(hidden size, layers, where) of the target's language model, from config.json alone."""
+    if config is not None:
+        try:
+            raw, where = read_json(config), str(config)
+        except (OSError, ValueError) as e:
+            raise EagletError(f"{config}: unreadable: {e}") from None
+    else:
+        try:
+            raw, where = read_config(spec_of(params))
+        except EagletError:
+            raise
+        except Exception as e:  # a hub target offline: nothing to read config.json from
+            raise EagletError(
+                f"target {params.target['model']}: config.json not readable here ({e}); "
+                "give it with --target-config"
+            ) from None
+    text, prefix = text_config(raw)
+    for field in ("hidden_size", "num_hidden_layers"):
+        if not isinstance(text.get(field), int):
+            raise EagletError(f"{where}: {prefix}{field}: missing, and the plan needs it")
+    return text["hidden_size"], text["num_hidden_layers"], where
+
+
+def _prompts(keys: Keys, ds: str) -> tuple[int | None, str]:
+    """(prompt count, where it comes from)."""
+    d = keys.params.dataset(ds)
+    try:
+        side = sidecar_of(keys.path("prompts", ds))
+        if side.exists():
+            return read_json(side)["stats"]["kept"], "built"
+    except EagletError:  # the raw file is not there yet: its key cannot be computed
+        pass
+    return d.get("max_samples"), "max_samples"
+
+
+def dataset_plan(keys: Keys, ds: str, token_bytes: float) -> dict:
+    """The numbers of one dataset (None where the params do not say)."""
+    p = keys.params
+    d, gen = p.dataset(ds), p.generation(ds)
+    backend = p.backend(gen["backend"])
+    n, source = _prompts(keys, ds)
+    expect = d.get("expect", {})
+    max_len = p.max_length(ds)
+    prompt_cap = d.get("max_prompt_tokens", p.data["prompts"].get("max_prompt_tokens"))
+
+    def capped(x: float | None, cap: float | None) -> float | None:
+        return None if x is None else (x if cap is None else min(x, cap))
+
+    mean_c, mean_p = expect.get("completion_tokens"), expect.get("prompt_tokens")
+    budget = d.get("token_budget")
+    # samples answered: all prompts, or as many as the token budget lets through
+    n_exp = capped(n, budget / mean_c if budget and mean_c else None) if mean_c else None
+    tok = {
+        "expected": n_exp * mean_c if n_exp is not None else None,
+        "max": capped(n * gen["max_new_tokens"] if n else None, budget),
+    }
+    price = backend.get("price_per_mtok") if backend["kind"] == "openai" else None
+    cost: dict = {"expected": None, "max": None}
+    if backend["kind"] != "openai":
+        cost = {"expected": 0.0, "max": 0.0}
+    elif price:
+        for k, answered in (("expected", n_exp), ("max", n)):
+            if tok[k] is not None:
+                prompt_tokens = answered * mean_p if answered and mean_p else 0
+                usd = tok[k] * price.get("completion", 0) + prompt_tokens * price.get("prompt", 0)
+                cost[k] = capped(usd / 1e6, d.get("max_cost_usd"))
+    per_sample_max = min(max_len, (prompt_cap or max_len) + gen["max_new_tokens"])
+    hidden_tokens = {
+        "expected": n_exp * min(max_len, mean_p + mean_c) if n_exp and mean_p else None,
+        "max": n * per_sample_max if n else None,
+    }
+    if tok["max"] is not None and hidden_tokens["max"] is not None and prompt_cap:
+        hidden_tokens["max"] = min(hidden_tokens["max"], tok["max"] + n * prompt_cap)
+    return {
+        "dataset": ds,
+        "backend": gen["backend"],
+        "prompts": n,
+        "prompts_from": source,
+        "max_length": max_len,
+        "completion_tokens": tok,
+        "cost_usd": cost,
+        "hidden_tokens": hidden_tokens,
+        "hidden_bytes": {
+            k: v * token_bytes if v is not None else None for k, v in hidden_tokens.items()
+        },
+    }
+
+
+def plan(params: Params, target_config: Path | None = None) -> dict:
+    """The whole plan: per dataset, totals and the disk check."""
+    keys = Keys(params)
+    width, layers, where = target_shape(params, target_config)
+    h = params.data["hidden"]
+    n_aux = len(sglang_layer_ids(h) or ()) or 3  # SGLang's default: 3 layers
+    token_bytes = bytes_per_token(h, n_aux, width)
+    rows = [dataset_plan(keys, ds, token_bytes) for ds in params.datasets]
+    total: dict = {"dataset": "total", "backend": "", "prompts": _sum(r["prompts"] for r in rows)}
+    for field in ("completion_tokens", "cost_usd", "hidden_tokens", "hidden_bytes"):
+        total[field] = {k: _sum(r[field][k] for r in rows) for k in ("expected", "max")}
+    cap = params.data["budget"].get("max_cost_usd")
+    if cap is not None:
+        total["cost_usd"] = {
+            k: v if v is None else min(v, cap) for k, v in total["cost_usd"].items()
+        }
+    out = params.root / "data" / "hidden"
+    probe = next(p for p in (out, *out.parents) if p.exists())
+    free = shutil.disk_usage(probe).free
+    need = total["hidden_bytes"]
+    fits = {k: None if v is None else v <= free for k, v in need.items()}
+    shown = os.path.relpath(probe) if probe.is_relative_to(Path.cwd()) else str(probe)
+    return {
+        "target": {"config": where, "hidden_size": width, "num_hidden_layers": layers},
+        "storage": {
+            "dtype": h["dtype"],
+            "fp8": h["fp8"],
+            "compress": h["compress"],
+            "bytes_per_token": round(token_bytes),
+        },
+        "datasets": rows,
+        "total": total,
+        "disk": {"path": shown, "free_bytes": free, "fits": fits},
+    }
+
+
+def _sum(values) -> float | None:
+    values = list(values)
+    return None if any(v is None for v in values) else sum(values)
+
+
+def _num(x: float | None, unit: str = "") -> str:
+    if x is None:
+        return "?"
+    for scale, suffix in ((1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "k")):
+        if abs(x) >= scale:
+            return f"{x / scale:.1f}{suffix}{unit}"
+    return f"{x:.0f}{unit}"
+
+
+def _usd(x: float | None) -> str:
+    return "?" if x is None else f"${x:,.0f}"
+
+
+def render(report: dict) -> str:
+    """The plan as a Markdown table and two lines of context."""
+    t, s = report["target"], report["storage"]
+    head = (
+        f"target: hidden {t['hidden_size']}, {t['num_hidden_layers']} layers ({t['config']}); "
+        f"hidden states: {'fp8' if s['fp8'] else s['dtype']}"
+        f"{' + zstd' if s['compress'] == 'zstd' else ''}, {s['bytes_per_token']:,} B/token"
+    )
+    cols = ["dataset", "backend", "prompts", "max_length", "completion tok (exp / max)"]
+    cols += ["cost (exp / max)", "hidden tok (exp / max)", "hidden disk (exp / max)"]
+    lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+    for r in [*report["datasets"], report["total"]]:
+        ct, cost, ht, hb = (
+            r["completion_tokens"],
+            r["cost_usd"],
+            r["hidden_tokens"],
+            r["hidden_bytes"],
+        )
+        cells = [
+            r["dataset"],
+            r["backend"],
+            "?" if r["prompts"] is None else f"{r['prompts']:,}",
+            f"{r['max_length']:,}" if "max_length" in r else "",
+            f"{_num(ct['expected'])} / {_num(ct['max'])}",
+            f"{_usd(cost['expected'])} / {_usd(cost['max'])}",
+            f"{_num(ht['expected'])} / {_num(ht['max'])}",
+            f"{_num(hb['expected'], 'B')} / {_num(hb['max'], 'B')}",
+        ]
+        lines.append("| " + " | ".join(cells) + " |")
+    d = report["disk"]
+    verdict = {True: "fits", False: "DOES NOT FIT", None: "unknown"}
+    disk = f"free disk at {d['path']}: {_num(d['free_bytes'], 'B')}; hidden states, " + ", ".join(
+        f"{k} {_num(report['total']['hidden_bytes'][k], 'B')}: {verdict[d['fits'][k]]}"
+        for k in ("expected", "max")
+    )
+    return "\n".join([head, "", *lines, "", disk])
