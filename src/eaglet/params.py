@@ -24,6 +24,7 @@ BACKEND_IDENTITY_KEYS = {
     "transformers": ("kind", "dtype"),
     "sglang": ("kind", "endpoint"),
     "openai": ("kind", "base_url", "model", "provider", "reasoning", "extra_body"),
+    "vllm": ("kind", "dtype", "enforce_eager", "tensor_parallel_size"),
 }
 
 
@@ -99,7 +100,12 @@ class Params:
     def backend_identity(self, name: str) -> dict:
         """What about a backend changes its answers: enters the response keys."""
         cfg = self.backend(name)
-        return {k: cfg[k] for k in BACKEND_IDENTITY_KEYS[cfg["kind"]] if k in cfg}
+        ident = {k: cfg[k] for k in BACKEND_IDENTITY_KEYS[cfg["kind"]] if k in cfg}
+        if cfg["kind"] == "vllm":
+            from eaglet.engines import engine_dtype
+
+            ident["dtype"] = engine_dtype(ident["dtype"])
+        return ident
 
 
 def load(path: str | os.PathLike = "params.yaml") -> Params:
