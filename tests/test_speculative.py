@@ -25,4 +25,5 @@ def test_speculative_decoding_equals_greedy(tiny_drafter):
         m = speculative.acceptance(results, steps)
         assert m["rounds"] == len(kept) and m["generated_tokens"] == 24 * len(prompts)
         assert m["acceptance_length"] == m["generated_tokens"] / m["rounds"] > 1
+        assert m["mean_acceptance_length"] == 1 + sum(kept) / len(kept)  # vLLM's definition
         assert len(m["acceptance_rate"]) == steps and 0 < m["acceptance_rate"][0] < 1

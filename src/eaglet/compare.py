@@ -28,7 +28,8 @@ NUMBERS = [
     ("responses", "completion_tokens", "completion tokens"),
     ("responses", "cost", "cost (USD)"),
     ("hidden", "bytes", "hidden-state bytes"),
-    ("evaluate", "acceptance_length", "acceptance length"),
+    ("evaluate", "acceptance_length", "acceptance length"),  # the engine's where it measured
+    ("evaluate", "acceptance_length_by", "acceptance length measured by"),
 ]
 
 

@@ -5,8 +5,10 @@ for each `num_steps`: acceptance length (generated tokens / verification rounds,
 included, as SGLang counts), acceptance per draft position, and the check that every output
 equals plain greedy decoding of the target. Also a fast offline estimate from the held-out
 hidden states: the teacher-forced chain from every assistant position (what chain decoding
-would accept there, without running the target). Writes metrics.json and PNG plots of the
-acceptance per position and of the training loss.
+would accept there, without running the target). With `engine: vllm`, the same prompts are run by
+vLLM serving the target with the drafter's vLLM export (eaglet.engine_eval); the engine's mean
+acceptance length is then the headline, stated next to eaglet's own. Writes metrics.json and PNG
+plots of the acceptance per position and of the training loss.
 """
 
 from __future__ import annotations
@@ -18,16 +20,17 @@ from pathlib import Path
 
 import torch
 
-from eaglet import drafter_data, speculative, train
+from eaglet import drafter_data, engine_eval, speculative, train
 from eaglet.atomic import atomic_path
 from eaglet.chat import stop_ids
 from eaglet.drafter import Drafter
+from eaglet.engines.vllm import ServeConfig
 from eaglet.errors import EagletError
 from eaglet.io import write_json
 from eaglet.keys import Keys, sidecar_of
 from eaglet.params import Params
 from eaglet.progress import Progress
-from eaglet.target import load_model, load_tokenizer, spec_of
+from eaglet.target import load_model, load_tokenizer, materialize, spec_of
 
 
 def prompt_of(sample: dict) -> list[int] | None:
@@ -83,8 +86,11 @@ def offline(
     return out
 
 
-def decode_all(target, model, prompts, cfg: dict, stop: set[int], quiet: bool) -> dict:
-    """Plain greedy and speculative decoding of every prompt; the metrics of each num_steps."""
+def decode_all(
+    target, model, prompts, cfg: dict, stop: set[int], quiet: bool
+) -> tuple[dict, list[list[int]]]:
+    """Plain greedy and speculative decoding of every prompt: the metrics of each num_steps, and
+    the plain greedy outputs."""
     steps, max_new = cfg["num_steps"], cfg["max_new_tokens"]
     progress = Progress("evaluate", len(prompts) * (1 + len(steps)), quiet=quiet, unit="run")
     plain = []
@@ -110,6 +116,58 @@ def decode_all(target, model, prompts, cfg: dict, stop: set[int], quiet: bool) -
             speedup=round(tps / greedy_tps, 3),
         )
         out[f"num_steps_{s}"] = m
+    return out, [r.tokens for r in plain]
+
+
+def engine_export(params: Params, drafter: str) -> Path:
+    """The drafter's current vLLM export, which `engine: vllm` serves."""
+    export = Keys(params).path("vllm", drafter)
+    if not export.is_dir():
+        raise EagletError(
+            f"drafters.{drafter}.evaluate.engine: vllm needs the vLLM export {export} "
+            f"(run: eaglet export {drafter} --to vllm)"
+        )
+    return export
+
+
+def engine_metrics(
+    params: Params, drafter: str, prompts: list[list[int]], stop: set[int], threads: int | None
+) -> dict:
+    """The held-out prompts run by vLLM serving the target with the drafter's vLLM export."""
+    cfg = params.drafter(drafter)["evaluate"]
+    export = engine_export(params, drafter)
+    spec = spec_of(params)
+    serve = ServeConfig(
+        model=materialize(spec),
+        served_name=spec.name,
+        dtype=cfg["dtype"],
+        max_model_len=params.target["max_length"],
+        max_num_seqs=cfg["engine_concurrency"],
+        enforce_eager=cfg["engine_eager"],
+        threads=threads or 0,
+    )
+    return engine_eval.measure(
+        serve, export, prompts, cfg["num_steps"], cfg["max_new_tokens"], sorted(stop),
+        cfg["engine_concurrency"],
+    )  # fmt: skip
+
+
+def agreement(own: dict, engine: dict, plain: list[list[int]]) -> dict:
+    """How the engine's numbers agree with eaglet's: the same quantity (1 + accepted drafts /
+    verification rounds) on the same prompts, and whether both decoded the same greedy text."""
+    same = sum(a == b for a, b in zip(engine["greedy_outputs"], plain, strict=True))
+    out: dict = {"greedy_outputs_equal": same, "prompts": len(plain)}
+    for name, m in own.items():
+        ours, theirs = m["mean_acceptance_length"], engine[name]["acceptance_length"]
+        diff = theirs - ours if ours is not None and theirs is not None else None
+        out[name] = {"engine": theirs, "eaglet": ours, "difference": diff}
+    out["note"] = (
+        "both = 1 + accepted drafts / verification rounds on the same held-out prompts "
+        f"(eaglet's own acceptance_length, tokens / rounds, also counts the prefill token); the "
+        f"engine's plain greedy output equals eaglet's on {same} of {len(plain)} prompts: "
+        "where they differ the two decode different text, and elsewhere the gap is the "
+        "drafter's bf16 export (eaglet decodes with the fp32 checkpoint) and the engine's kernels"
+    )
     return out
 
 
@@ -125,6 +183,10 @@ def plot(metrics: dict, train_rows: list[dict], folder: Path) -> None:
         rates = m["acceptance_rate"]
         al = m["acceptance_length"] or 0.0
         ax.plot(range(1, len(rates) + 1), rates, "o-", label=f"{name}: AL {al:.2f}")
+    for name, m in (metrics.get("engine") or {}).items():
+        if name.startswith("num_steps_"):
+            rates, al = m["acceptance_rate"], m["acceptance_length"] or 0.0
+            ax.plot(range(1, len(rates) + 1), rates, "s:", label=f"vLLM {name}: AL {al:.2f}")
     for name, m in metrics["offline"].items():
         rates = m["acceptance_rate"]
         ax.plot(range(1, len(rates) + 1), rates, "x--", alpha=0.6, label=f"offline {name}")
@@ -164,6 +226,8 @@ def build(
     out = Path(out) if out else keys.path("evaluate", drafter)
     d = params.drafter(drafter)
     cfg = d["evaluate"]
+    if cfg["engine"] == "vllm":
+        engine_export(params, drafter)  # before decoding: fail fast
     readers = drafter_data.open_readers(params, drafter)
     _, held = drafter_data.split(readers, d["heldout_fraction"])
     trained = keys.path("train", drafter)
@@ -180,12 +244,17 @@ def build(
             f"{d['heldout_fraction']} of {sum(len(r) for r in readers)} samples)"
         )
     t0 = time.monotonic()
+    own, plain = decode_all(target, model, prompts, cfg, stop, quiet)
     metrics = {
         "drafter": drafter,
         "prompts": len(prompts),
-        "speculative": decode_all(target, model, prompts, cfg, stop, quiet),
+        "speculative": own,
         "offline": offline(model, readers, held, target_model.lm_head.weight, cfg["num_steps"]),
     }
+    if cfg["engine"] == "vllm":
+        engine = engine_metrics(params, drafter, prompts, stop, threads)
+        metrics["agreement"] = agreement(own, engine, plain)
+        metrics["engine"] = {k: v for k, v in engine.items() if k != "greedy_outputs"}
     metrics["elapsed_s"] = round(time.monotonic() - t0, 2)
     with open(trained / "metrics.csv", newline="") as f:
         rows = list(csv.DictReader(f))
@@ -199,12 +268,25 @@ def build(
 
 
 def summary(metrics: dict, num_steps: list[int]) -> dict:
-    """The headline numbers: acceptance length (at the fewest steps, and per num_steps) and
+    """The headline numbers: acceptance length at the fewest steps (the engine's when it ran,
+    else eaglet's), per num_steps eaglet's own, the engine's and the offline estimate, and
     greedy equality."""
-    first = metrics["speculative"][f"num_steps_{min(num_steps)}"]
-    out = {"prompts": metrics["prompts"], "acceptance_length": first["acceptance_length"]}
+    first = f"num_steps_{min(num_steps)}"
+    engine = metrics.get("engine")
+    source = engine or metrics["speculative"]
+    out = {
+        "prompts": metrics["prompts"],
+        "acceptance_length": source[first]["acceptance_length"],
+        "acceptance_length_by": "vllm" if engine else "eaglet",
+    }
     for name, m in metrics["speculative"].items():
         out[f"acceptance_length_{name}"] = m["acceptance_length"]
         out[f"greedy_equal_{name}"] = m["greedy_equal"]
         out[f"offline_acceptance_length_{name}"] = metrics["offline"][name]["acceptance_length"]
+        if engine:
+            out[f"vllm_acceptance_length_{name}"] = engine[name]["acceptance_length"]
+            out[f"eaglet_mean_acceptance_length_{name}"] = m["mean_acceptance_length"]
+            out[f"vllm_tokens_per_s_{name}"] = engine[name]["tokens_per_s"]
+    if engine:
+        out["vllm_greedy_tokens_per_s"] = engine["greedy_tokens_per_s"]
     return out

@@ -68,6 +68,7 @@ PLUMBING = frozenset(
         "eaglet.cli",
         "eaglet.compare",
         "eaglet.device",
+        "eaglet.engines.reaper",  # ends an engine whose owner died
         "eaglet.errors",
         "eaglet.foreign",
         "eaglet.hashing",
@@ -280,7 +281,7 @@ def _responses_slice(keys: Keys, ds: str) -> tuple[dict, dict]:
         "token_budget": d.get("token_budget"),
         "max_cost_usd": d.get("max_cost_usd"),
     }
-    if backend["kind"] in ("transformers", "sglang"):
+    if backend["kind"] in ("transformers", "sglang", "vllm"):
         slice_["target"] = keys.target_identity()
     return slice_, {"prompts": keys.key("prompts", ds)}
 
@@ -347,6 +348,8 @@ def _evaluate_slice(keys: Keys, drafter: str) -> tuple[dict, dict]:
         "target": keys.target_identity(),
     }
     upstream = {"train": keys.key("train", drafter), "hidden": _hidden_keys(keys, drafter)}
+    if evaluate["engine"] != "none":  # the engine serves the drafter's vLLM export
+        upstream["vllm"] = keys.key("vllm", drafter)
     return slice_, upstream
 
 

@@ -25,6 +25,7 @@ BACKEND_IDENTITY_KEYS = {
     "transformers": ("kind", "dtype"),
     "sglang": ("kind", "endpoint"),
     "openai": ("kind", "base_url", "model", "provider", "reasoning", "extra_body"),
+    "vllm": ("kind", "dtype", "enforce_eager", "tensor_parallel_size"),
 }
 
 
@@ -105,9 +106,9 @@ class Params:
         """What about a backend changes its answers, `auto` resolved: enters the response keys."""
         cfg = self.backend(name)
         out = {k: cfg[k] for k in BACKEND_IDENTITY_KEYS[cfg["kind"]] if k in cfg}
-        if cfg["kind"] == "transformers":
-            out["device"] = device_type(cfg["device"])
-            out["dtype"] = resolve_dtype(cfg["dtype"], cfg["device"])
+        if cfg["kind"] in ("transformers", "vllm"):
+            out["device"] = device_type(cfg.get("device", "auto"))
+            out["dtype"] = resolve_dtype(cfg["dtype"], cfg.get("device", "auto"))
         return out
 
 

@@ -142,7 +142,8 @@ def _ids(ids: list[int], device) -> Tensor:
 
 
 def acceptance(results: list[Decoded], num_steps: int) -> dict:
-    """Acceptance length (tokens / rounds) and the rate at each draft position, given the
+    """Acceptance length (tokens / rounds), the mean acceptance length as vLLM counts it (1 +
+    accepted drafts / rounds: no prefill token) and the rate at each draft position, given the
     drafts before it were accepted."""
     tokens = sum(len(r.tokens) for r in results)
     rounds = sum(r.rounds for r in results)
@@ -150,6 +151,7 @@ def acceptance(results: list[Decoded], num_steps: int) -> dict:
     reached = [sum(n >= i for n in kept) for i in range(num_steps + 1)]
     return {
         "acceptance_length": tokens / rounds if rounds else None,
+        "mean_acceptance_length": 1 + sum(kept) / rounds if rounds else None,
         "acceptance_rate": [
             reached[i] / reached[i - 1] if reached[i - 1] else 0.0 for i in range(1, num_steps + 1)
         ],

@@ -134,8 +134,11 @@ def _summary(row: dict) -> str:
         acc = (st.get("heldout") or {}).get("acc") or [float("nan")]
         return f"{st['steps']} steps, loss {st['final_loss']:.3f}, held-out acc@0 {acc[0]:.2f}"
     if row["stage"] == "evaluate" and st:
-        als = [f"{v:.2f}" for k, v in st.items() if k.startswith("acceptance_length_") and v]
+        als = [f"{v:.2f}" for k, v in st.items() if k.startswith("acceptance_length_n") and v]
         eq = all(v for k, v in st.items() if k.startswith("greedy_equal_"))
+        engine = [f"{v:.2f}" for k, v in st.items() if k.startswith("vllm_acceptance_") and v]
+        if engine:
+            return f"vLLM acceptance length {' / '.join(engine)} (eaglet {' / '.join(als)})"
         return f"acceptance length {' / '.join(als)}, greedy equal: {eq}"
     return ""
 

@@ -65,7 +65,7 @@ def request_identity(keys: Keys, backend: str) -> dict:
     backends that render the prompt with the target's own template and weights."""
     ident = keys.params.backend_identity(backend)
     out = {"backend": ident}
-    if ident["kind"] in ("transformers", "sglang"):
+    if ident["kind"] in ("transformers", "sglang", "vllm"):
         out["target"] = keys.target_identity()
     return out
 

@@ -44,6 +44,14 @@ def make_backend(params: Params, name: str, threads: int | None = None) -> Backe
         from eaglet.backends.sglang import SGLangBackend
 
         return SGLangBackend(name, cfg, load_tokenizer(spec), spec.name)
+    if cfg["kind"] == "vllm":
+        from eaglet.backends.vllm import VLLMBackend
+
+        backend = VLLMBackend(
+            name, cfg, spec, load_tokenizer(spec), params.target["max_length"], threads
+        )
+        backend.start()  # here, in the main thread: the server's parent-death signal needs it
+        return backend
     from eaglet.backends.openai import OpenAIBackend
 
     return OpenAIBackend(name, cfg, lambda: load_tokenizer(spec))

