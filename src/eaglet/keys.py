@@ -288,7 +288,7 @@ def _responses_slice(keys: Keys, ds: str) -> tuple[dict, dict]:
 def _hidden_slice(keys: Keys, ds: str) -> tuple[dict, dict]:
     h = keys.params.data["hidden"]
     compute = {"backend": h["backend"]}
-    if h["backend"] == "transformers":
+    if h["backend"] in ("transformers", "vllm"):  # an operator's vllm: set compute_dtype to its
         compute["device"] = device_type(h["device"])
         compute["dtype"] = resolve_dtype(h["compute_dtype"], h["device"])
     slice_ = {
