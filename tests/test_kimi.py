@@ -56,6 +56,18 @@ def test_text_config_head_and_arch_of_the_wrapper(kimi):
     }
 
 
+def test_a_rope_scaling_the_drafter_lacks_is_a_choice_to_make():
+    llama31 = {"hidden_size": 64, "num_attention_heads": 4, "intermediate_size": 128}
+    llama31 |= {"rms_norm_eps": 1e-5, "rope_theta": 5e5, "max_position_embeddings": 1024}
+    llama31["rope_scaling"] = {"rope_type": "llama3", "factor": 8.0}
+    with pytest.raises(EagletError, match="rope_scaling: 'llama3' is not implemented"):
+        arch.resolve(llama31, {}, "config.json")
+    plain = arch.resolve(llama31, {"rope_scaling": None}, "config.json")
+    assert plain["rope_scaling"] is None and plain["head_dim"] == 16
+    # implicit sizes (head_dim = hidden / heads, kv heads = heads) are the target's own
+    assert arch.differs(llama31, plain) == {"rope_scaling": llama31["rope_scaling"]}
+
+
 @pytest.mark.parametrize(
     "edit,message",
     [

@@ -19,6 +19,7 @@ from __future__ import annotations
 from typing import Any
 
 from eaglet.errors import EagletError
+from eaglet.target import need
 
 FIELDS = (
     "hidden_size",
@@ -58,51 +59,51 @@ def rope(text: dict) -> tuple[float | None, dict | None]:
     return theta, {"rope_type": kind, **{k: scaling[k] for k in SCALING_KEYS if k in scaling}}
 
 
-def check_scaling(scaling: dict | None, where: str) -> None:
+def check_scaling(scaling: dict | None, where: str, prefix: str) -> None:
+    """The target's RoPE scaling must be one the drafter implements (YaRN), or be turned off."""
     if scaling is None:
         return
-    if scaling.get("rope_type") != "yarn":
-        raise EagletError(f"{where}: rope_scaling: '{scaling.get('rope_type')}' (eaglet: yarn)")
+    if scaling["rope_type"] != "yarn":
+        raise EagletError(
+            f"{where}: {prefix}rope_scaling: '{scaling['rope_type']}' is not implemented by "
+            "eaglet's drafter (yarn is); set drafters.<name>.arch.rope_scaling (null: plain RoPE)"
+        )
     for k in ("factor", "original_max_position_embeddings"):
-        if scaling.get(k) is None:
-            raise EagletError(f"{where}: rope_scaling.{k}: missing (needed for YaRN)")
+        need(scaling, k, where, f"{prefix}rope_scaling.")
 
 
 def target_defaults(text: dict, where: str, prefix: str = "") -> dict:
     """The drafter architecture a target implies (see the module doc)."""
 
-    def need(field: str) -> Any:
-        if text.get(field) is None:
-            raise EagletError(f"{where}: {prefix}{field}: missing, and eaglet cannot determine it")
-        return text[field]
+    def field(name: str) -> Any:
+        return need(text, name, where, prefix)
 
-    hidden, heads = need("hidden_size"), need("num_attention_heads")
+    hidden, heads = field("hidden_size"), field("num_attention_heads")
     if is_mla(text):
-        head_dim = text.get("qk_nope_head_dim") or need("v_head_dim")
+        head_dim = text.get("qk_nope_head_dim") or field("v_head_dim")
     else:
         head_dim = text.get("head_dim") or hidden // heads
     theta, scaling = rope(text)
-    if theta is None:
-        raise EagletError(f"{where}: {prefix}rope_theta: missing, and eaglet cannot determine it")
     return {
         "hidden_size": hidden,
-        "intermediate_size": need("intermediate_size"),
+        "intermediate_size": field("intermediate_size"),
         "num_attention_heads": heads,
         "num_key_value_heads": text.get("num_key_value_heads") or heads,
         "head_dim": head_dim,
-        "rms_norm_eps": float(need("rms_norm_eps")),
-        "rope_theta": float(theta),
+        "rms_norm_eps": float(field("rms_norm_eps")),
+        "rope_theta": float(need({"rope_theta": theta}, "rope_theta", where, prefix)),
         "rope_scaling": scaling,
-        "max_position_embeddings": need("max_position_embeddings"),
+        "max_position_embeddings": field("max_position_embeddings"),
     }
 
 
 def resolve(text: dict, arch: dict, where: str, prefix: str = "") -> dict:
     """The drafter's architecture: `arch` (params) over the target's defaults, every field set."""
     out = target_defaults(text, where, prefix) | {k: v for k, v in arch.items() if k in FIELDS}
-    if arch.get("rope_scaling") is not None:
+    if "rope_scaling" not in arch:
+        check_scaling(out["rope_scaling"], where, prefix)
+    elif arch["rope_scaling"] is not None:  # the schema checked it
         out["rope_scaling"] = {"rope_type": "yarn", **arch["rope_scaling"]}
-    check_scaling(out["rope_scaling"], where if "rope_scaling" not in arch else "params arch")
     if out["num_attention_heads"] % out["num_key_value_heads"]:
         raise EagletError(
             f"drafter arch: num_attention_heads {out['num_attention_heads']} is not a multiple "
@@ -116,4 +117,8 @@ def differs(text: dict, resolved: dict) -> dict:
     such field, e.g. `head_dim` of an MLA model)."""
     theta, scaling = rope(text)
     target = {f: text.get(f) for f in FIELDS} | {"rope_theta": theta, "rope_scaling": scaling}
+    heads = target["num_attention_heads"]
+    target["num_key_value_heads"] = target["num_key_value_heads"] or heads
+    if target["head_dim"] is None and not is_mla(text) and heads:
+        target["head_dim"] = target["hidden_size"] // heads  # Llama's implicit head size
     return {f: target[f] for f in FIELDS if target[f] != resolved[f]}

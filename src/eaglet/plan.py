@@ -27,7 +27,7 @@ from eaglet.errors import EagletError
 from eaglet.io import read_json
 from eaglet.keys import Keys, sglang_layer_ids, sidecar_of
 from eaglet.params import Params
-from eaglet.target import read_config, spec_of, text_config
+from eaglet.target import need, read_config, spec_of, text_config
 
 # bytes on disk / (K+1)·H·2 as measured by benchmarks/hidden_states.py on SmolLM2 (README):
 # bf16 1.001, bf16+zstd 0.730, fp8 0.505 (1 byte a value + a float32 scale per token and
@@ -68,10 +68,8 @@ def target_shape(params: Params, config: Path | None = None) -> tuple[int, int, 
                 "give it with --target-config"
             ) from None
     text, prefix = text_config(raw)
-    for field in ("hidden_size", "num_hidden_layers"):
-        if not isinstance(text.get(field), int):
-            raise EagletError(f"{where}: {prefix}{field}: missing, and the plan needs it")
-    return text["hidden_size"], text["num_hidden_layers"], where
+    width, layers = (need(text, f, where, prefix) for f in ("hidden_size", "num_hidden_layers"))
+    return width, layers, where
 
 
 def _prompts(keys: Keys, ds: str) -> tuple[int | None, str]:
