@@ -158,6 +158,38 @@ def test_sglang_server_gives_the_same_manifest_and_shards(built, smol):
     }  # shard sha256s included: identical bytes
 
 
+@pytest.mark.engine
+def test_vllm_engine_states_equal_the_transformers_forward(built, tmp_path):
+    """One vLLM engine (extract_hidden_states, eaglet's CPU connector) on the same ids: the
+    states equal the in-process forward's within fp32 noise, the tokens and masks exactly, and
+    the engine's spool is empty afterwards. The reference then verifies the engine's shards."""
+    root, _, _, out = built
+    spool = tmp_path / "spool"
+    spool.mkdir()  # given, so the test can see it emptied (unset: a temporary one, removed)
+    params = params_for(root, "vllm.yaml", **EXACT, backend="vllm", spool=str(spool))
+    engine = hidden.build(params, "sg", out=root / "via-vllm", quiet=True)
+    assert not pgrep_vllm() and not any(spool.iterdir())
+    ref, got = HiddenReader(out), HiddenReader(engine)
+    assert got.manifest["backend"] == "vllm" and got.ids == ref.ids
+    assert got.manifest["last"]["how"].startswith("last layer output from the engine")
+    worst = 0.0
+    for sid in ref.ids:
+        a, b = ref.get(sid), got.get(sid)
+        assert torch.equal(a["input_ids"], b["input_ids"])
+        assert torch.equal(a["loss_mask"], b["loss_mask"])
+        for name in ("aux", "last"):
+            x, y = a[name].flatten(0, -2), b[name].flatten(0, -2)
+            worst = max(worst, float(((x - y).norm(dim=-1) / x.norm(dim=-1)).max()))
+    assert worst < 1e-4  # measured 9.4e-6; a layer off by one is > 0.4 away
+    report = verify(params_for(root, **EXACT), "sg", path=engine)  # the transformers reference
+    assert report["ok"] and report["max_relative_error"] < 1e-4
+
+
+def pgrep_vllm() -> list[str]:
+    r = subprocess.run(["pgrep", "-f", "vllm.entrypoints"], capture_output=True, text=True)
+    return r.stdout.split()
+
+
 def test_verify_passes_then_catches_a_corrupted_shard(built, tmp_path, capsys):
     _, params, _, out = built
     report = verify(params, "sg")

@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from eaglet.chat import assistant_turn, prompt_ids, stop_ids
+from eaglet.device import resolve_dtype
 from eaglet.errors import EagletError
 from eaglet.hidden_store import FORMAT, PartialDir, Storage
 from eaglet.io import dumps, read_jsonl, write_json
@@ -31,6 +32,13 @@ from eaglet.params import Params
 from eaglet.progress import Progress
 from eaglet.target import TargetSpec, load_config, load_tokenizer, spec_of
 
+# How each backend gets the final state: the engines give the last layer's output, and eaglet
+# applies the target's final RMSNorm (vLLM); SGLang and the hook read it after the norm.
+LAST_STATE = {
+    "transformers": "hooked after the final norm",
+    "sglang": "returned by the server after the final norm",
+    "vllm": "last layer output from the engine, final norm applied by eaglet",
+}
 VOLATILE_CONFIG_KEYS = ("transformers_version", "_name_or_path", "_model_name_or_path", "dtype")
 
 
@@ -168,12 +176,16 @@ def length_batches(lengths: list[int], batch_tokens: int) -> list[list[int]]:
 
 def make_backend(params: Params, target: Target, ids: list[int], threads: int | None = None):
     """The hidden-states backend that params.yaml's `hidden.backend` names."""
-    from eaglet.hidden_backends import SGLangHidden, TransformersHidden
+    from eaglet.hidden_backends import SGLangHidden, TransformersHidden, VLLMHidden
 
     h = params.data["hidden"]
     if h["backend"] == "sglang":
         return SGLangHidden(h, target.config.hidden_size, len(ids))
     threads = threads or h["threads"]
+    if h["backend"] == "vllm":
+        dtype = resolve_dtype(h["compute_dtype"], h["device"])
+        n_layers = target.config.num_hidden_layers
+        return VLLMHidden(target.spec, h, ids, n_layers, dtype, target.max_length, threads)
     return TransformersHidden(target.spec, h["device"], h["compute_dtype"], ids, threads)
 
 
@@ -267,7 +279,11 @@ def build(
             "vllm": [i + 1 for i in ids],
             "hf_hidden_states_index": [i + 1 for i in ids],
         },
-        "last": {"what": "final norm output (lm_head input)", "hf_hidden_states_index": -1},
+        "last": {
+            "what": "final norm output (lm_head input)",
+            "hf_hidden_states_index": -1,
+            "how": LAST_STATE[h["backend"]],
+        },
         "dtype": storage.dtype,
         "compute_dtype": str(backend.dtype).removeprefix("torch."),
         "storage": {**storage.to_dict(), "shard_mb": h["shard_mb"]},

@@ -38,6 +38,11 @@ class Stage:
     module: str  # the module whose code (and imports) make the artifact
     ext: str  # file suffix, or "/" for a directory artifact
     kind: str  # what the name names: "dataset" or "drafter"
+    loaded: tuple[str, ...] = ()  # compute an engine loads by name (eaglet never imports it)
+
+    @property
+    def roots(self) -> tuple[str, ...]:
+        return (self.module, *self.loaded)
 
 
 STAGES: dict[str, Stage] = {
@@ -45,7 +50,7 @@ STAGES: dict[str, Stage] = {
     for s in [
         Stage("prompts", "eaglet.prompts", ".jsonl.zst", "dataset"),
         Stage("responses", "eaglet.generate", ".jsonl.zst", "dataset"),
-        Stage("hidden", "eaglet.hidden", "/", "dataset"),
+        Stage("hidden", "eaglet.hidden", "/", "dataset", ("eaglet.engines.hidden_connector",)),
         Stage("vocab", "eaglet.vocab", ".safetensors", "drafter"),
         Stage("train", "eaglet.train", "/", "drafter"),
         Stage("evaluate", "eaglet.evaluate", "/", "drafter"),
@@ -86,10 +91,10 @@ PLUMBING = frozenset(
 
 
 @cache
-def code_key(module: str) -> str:
-    """Hash of the normalized AST of `module` and the eaglet modules it imports (transitively)."""
+def code_key(*roots: str) -> str:
+    """Hash of the normalized AST of `roots` and the eaglet modules they import (transitively)."""
     h = hashlib.sha256()
-    for name in sorted(_closure(module)):
+    for name in sorted(set().union(*map(_closure, roots))):
         h.update(f"{name}\0{_facts(name)[0]}\n".encode())
     _AST_CACHE.save()
     return h.hexdigest()[:KEY_LEN]
@@ -214,7 +219,7 @@ class Keys:
         if (stage, name) not in self._memo:
             st = STAGES[stage]
             slice_, upstream = _SLICES[stage](self, name)
-            code = code_key(st.module)
+            code = code_key(*st.roots)
             payload = [stage, code, slice_, upstream]
             key = hashlib.sha256(dumps(payload).encode()).hexdigest()[:KEY_LEN]
             self._memo[(stage, name)] = {
@@ -289,7 +294,7 @@ def _responses_slice(keys: Keys, ds: str) -> tuple[dict, dict]:
 def _hidden_slice(keys: Keys, ds: str) -> tuple[dict, dict]:
     h = keys.params.data["hidden"]
     compute = {"backend": h["backend"]}
-    if h["backend"] == "transformers":
+    if h["backend"] in ("transformers", "vllm"):  # an operator's vllm: set compute_dtype to its
         compute["device"] = device_type(h["device"])
         compute["dtype"] = resolve_dtype(h["compute_dtype"], h["device"])
     slice_ = {

@@ -307,6 +307,19 @@ def load_model(spec: TargetSpec, device: str = "auto", dtype: str = "auto") -> A
     return model.to(device).eval().requires_grad_(False)
 
 
+def load_tensor(spec: TargetSpec, name: str) -> Any:
+    """One tensor of the language model (`model.norm.weight`, ...) read from its shard alone,
+    under whatever prefix the checkpoint puts the language model."""
+    from safetensors import safe_open
+
+    index = weight_index(spec)
+    full = text_prefix(spec, index) + name
+    if full not in index:
+        raise EagletError(f"target {spec.name}: no {full} in its safetensors")
+    with safe_open(_fetch(spec, index[full]), "pt") as f:
+        return f.get_tensor(full)
+
+
 def load_head(spec: TargetSpec) -> tuple[Any, Any]:
     """(input embeddings [V, H], lm_head [V, H]) read straight from the safetensors files.
 
