@@ -1,11 +1,13 @@
 """Claim: which generation backend is faster on this machine for the demo's answers: vLLM (a
 managed server, token ids in and out) or the in-process transformers backend.
 
-Both run in one process, one after the other, on the same slice of the demo's instructions
-(`data/demo/instructions.jsonl`, the bulk of the demo's generation), greedy, fp32, with the
-demo's `max_new_tokens` (128) and batch (16 prompts in flight; vLLM --max-num-seqs 16, eager).
-Reported: completion tokens/s of each (generation only: load/start-up apart), vLLM's start-up
-time, the transformers model load time, and on how many prompts the two answered the same ids.
+Both run in one process on the same slice of the demo's instructions (`data/demo/
+instructions.jsonl`, the bulk of the demo's generation), greedy, fp32, with the demo's
+`max_new_tokens` (128) and batch (16 prompts in flight; vLLM --max-num-seqs 16, eager). Both are
+loaded first; then the slice is sent in rounds of one batch, each round through transformers and
+then vLLM, so that the load of a shared machine falls on both alike. Reported: completion
+tokens/s of each (generation only), vLLM's start-up time, the transformers model load time, the
+per-round spread, and on how many prompts the two answered the same ids.
 
     .venv/bin/python benchmarks/generation_engines.py [--prompts 48] [--threads 2]
 """
@@ -27,7 +29,7 @@ from eaglet.io import read_jsonl  # noqa: E402
 from eaglet.params import from_dict  # noqa: E402
 
 
-async def run(backend, requests: list[dict]) -> tuple[list[dict], float]:
+async def _run(backend, requests: list[dict]) -> tuple[list[dict], float]:
     """Every request through the backend, `concurrency` batches in flight; results, seconds."""
     batches = backend.plan([dict(r) for r in requests])
     queue: asyncio.Queue = asyncio.Queue()
@@ -45,6 +47,23 @@ async def run(backend, requests: list[dict]) -> tuple[list[dict], float]:
     await asyncio.gather(*(worker() for _ in range(backend.concurrency)))
     seconds = time.perf_counter() - t0
     return [results[r["id"]] for r in requests], seconds
+
+
+async def rounds(backends: dict, requests: list[dict], size: int) -> dict:
+    """The requests in rounds of `size`, each round through every backend in turn."""
+    out = {name: {"results": [], "seconds": []} for name in backends}
+    try:
+        for i in range(0, len(requests), size):
+            for name, backend in backends.items():
+                results, seconds = await _run(backend, requests[i : i + size])
+                out[name]["results"] += results
+                out[name]["seconds"].append(seconds)
+                tokens = sum(r["completion_tokens"] for r in results)
+                print(f"round {i // size}: {name} {tokens / seconds:.1f} tok/s", flush=True)
+    finally:
+        for backend in backends.values():
+            await backend.close()
+    return out
 
 
 def main() -> None:
@@ -70,30 +89,34 @@ def main() -> None:
                 "vllm": {"kind": "vllm", "max_num_seqs": args.batch, "concurrency": args.batch}
                 | common,
             },
+            "generation": {"backend": "transformers"},
             "datasets": {"x": {"path": "unused.jsonl"}},
         },
         ROOT / "params.yaml",
     )
     report: dict = {"prompts": len(requests), "max_new_tokens": args.max_new_tokens}
     report["batch"], report["threads"] = args.batch, args.threads
-    outputs = {}
+    backends = {}
     for name in ("transformers", "vllm"):
         t0 = time.perf_counter()
-        backend = make_backend(params, name, threads=args.threads)
-        ready = time.perf_counter() - t0
-        try:
-            results, seconds = asyncio.run(run(backend, requests))
-        finally:
-            asyncio.run(backend.close())
-        tokens = sum(r["completion_tokens"] for r in results)
-        outputs[name] = [r["output_ids"] for r in results]
-        report[name] = {
-            "ready_s": round(ready, 1),
-            "seconds": round(seconds, 1),
-            "completion_tokens": tokens,
-            "tokens_per_s": round(tokens / seconds, 1),
-        }
-        print(name, report[name], flush=True)
+        backends[name] = make_backend(params, name, threads=args.threads)
+        report[name] = {"ready_s": round(time.perf_counter() - t0, 1)}
+    runs = asyncio.run(rounds(backends, requests, args.batch))
+    outputs = {}
+    for name, r in runs.items():
+        tokens = sum(x["completion_tokens"] for x in r["results"])
+        seconds = sum(r["seconds"])
+        per_round = [
+            sum(x["completion_tokens"] for x in r["results"][i : i + args.batch]) / s
+            for i, s in zip(range(0, len(requests), args.batch), r["seconds"], strict=True)
+        ]
+        outputs[name] = [x["output_ids"] for x in r["results"]]
+        report[name].update(
+            seconds=round(seconds, 1),
+            completion_tokens=tokens,
+            tokens_per_s=round(tokens / seconds, 1),
+            per_round_tokens_per_s=[round(t, 1) for t in per_round],
+        )
     same = sum(a == b for a, b in zip(outputs["transformers"], outputs["vllm"], strict=True))
     report["same_output_ids"] = f"{same}/{len(requests)}"
     report["vllm_over_transformers"] = round(

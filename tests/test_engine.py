@@ -224,27 +224,22 @@ def test_no_server_left():
 def test_evaluate_measures_acceptance_with_the_engine(project):
     """`engine: vllm`: vLLM serves SmolLM2 with the drafter's vLLM export on the held-out
     prompts; its counters agree with eaglet's own speculative decoding, and lead the summary."""
+    from eaglet import evaluate, generate, hidden, prompts, status, vocab
+    from eaglet.params import load
+
     data = tiny_params(max_new_tokens=16)
     data["drafters"]["d"]["evaluate"].update(engine="vllm", max_new_tokens=16)
-    write_params(project, data)
-
-    def eaglet(*args: str, ok: bool = True) -> subprocess.CompletedProcess:
-        cmd = [sys.executable, "-m", "eaglet", *args, "--params", str(project / "params.yaml")]
-        r = subprocess.run(cmd, capture_output=True, text=True, cwd=project, timeout=1500)
-        assert (r.returncode == 0) == ok, r.stderr[-3000:]
-        return r
-
+    params = load(write_params(project, data))
     for ds in ("sg", "dolly"):
-        eaglet("prompts", ds)
-        eaglet("generate", ds, "--quiet", "--threads", "2")
-        eaglet("hidden", ds, "--quiet", "--threads", "2")
-    eaglet("vocab", "d")
-    eaglet("train", "d", "--quiet", "--threads", "2")
-    missing = eaglet("evaluate", "d", "--quiet", ok=False)
-    assert "needs the vLLM export" in missing.stderr
-    assert "(run: eaglet export d --to vllm)" in missing.stderr
-    eaglet("export", "d", "--to", "vllm")
-    out = Path(eaglet("evaluate", "d", "--quiet", "--threads", "2").stdout.strip())
+        prompts.build(params, ds)
+        generate.build(params, ds, threads=2, quiet=True)
+        hidden.build(params, ds, threads=2, quiet=True)
+    vocab.build(params, "d")
+    train.build(params, "d", threads=2, quiet=True)
+    with pytest.raises(EagletError, match=r"needs the vLLM export .*eaglet export d --to vllm"):
+        evaluate.build(params, "d", quiet=True)
+    export.build(params, "d", "vllm")
+    out = evaluate.build(params, "d", threads=2, quiet=True)
     assert not servers()
     metrics = json.loads((out / "metrics.json").read_text())
     engine, own, agree = metrics["engine"], metrics["speculative"], metrics["agreement"]
@@ -256,4 +251,5 @@ def test_evaluate_measures_acceptance_with_the_engine(project):
     assert theirs == pytest.approx(ours, abs=0.05)
     stats = json.loads(out.with_suffix(".json").read_text())["stats"]
     assert stats["acceptance_length_by"] == "vllm" and stats["acceptance_length"] == theirs
-    assert "vLLM acceptance length" in eaglet("status").stdout
+    row = next(r for r in status.collect(params) if r["stage"] == "evaluate")
+    assert status._summary(row).startswith("vLLM acceptance length")

@@ -38,7 +38,11 @@ BASE = "target: {model: smollm2-135m-instruct}\n"
             "datasets.a.format: 'csv' is not one",
         ),
         (BASE + "backends: {s: {kind: sglang}}\ndatasets: {a: {path: x}}", "backends.s: 'url' is"),
-        (BASE + "backends: {o: {kind: vllm}}\ndatasets: {a: {path: x}}", "backends.o.kind: 'vllm'"),
+        (BASE + "backends: {o: {kind: tgi}}\ndatasets: {a: {path: x}}", "backends.o.kind: 'tgi'"),
+        (
+            BASE + "backends: {e: {kind: vllm, dtype: fp8}}\ndatasets: {a: {path: x}}",
+            "backends.e.dtype: 'fp8' is not one of",
+        ),
         (
             BASE + "datasets: {a: {path: x, backend: gpu}}",
             "datasets.a.backend: unknown backend 'gpu'",

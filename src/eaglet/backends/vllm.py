@@ -145,6 +145,8 @@ class VLLMBackend:
         return out
 
     async def close(self) -> None:
-        if self.client is not None:
-            await self.client.close()
-        self.engine.stop()
+        try:
+            if self.client is not None:
+                await self.client.close()
+        finally:
+            self.engine.stop()
