@@ -140,7 +140,7 @@ DOWNSTREAM = {
     "train": {"evaluate", "sglang", "vllm"},
     "evaluate": set(),
     "sglang": set(),
-    "vllm": set(),
+    "vllm": {"evaluate"},  # the engine measures acceptance with the vLLM export
 }
 
 
@@ -184,7 +184,7 @@ EDITS = [
     ("vocab.py", "", "\nVOCAB_NOTE = 1\n", _and_downstream("vocab")),
     ("drafter.py", "", "\nLAYER_NOTE = 1\n", _and_downstream("train")),
     ("speculative.py", "", "\nDECODE_NOTE = 1\n", {"evaluate"}),
-    ("export.py", "", "\nEXPORT_NOTE = 1\n", {"sglang", "vllm"}),
+    ("export.py", "", "\nEXPORT_NOTE = 1\n", {"sglang", "vllm", "evaluate"}),
 ]
 
 

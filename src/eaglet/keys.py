@@ -73,6 +73,7 @@ PLUMBING = frozenset(
         "eaglet.cli",
         "eaglet.compare",
         "eaglet.device",
+        "eaglet.engines",  # the package (a docstring)
         "eaglet.engines.reaper",  # ends an engine whose owner died
         "eaglet.errors",
         "eaglet.foreign",
