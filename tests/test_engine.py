@@ -105,6 +105,12 @@ def test_signals_to_the_owner_stop_the_server(sig):
     assert gone(kids, within=60), [k.cmdline() for k in kids if k.is_running()]
 
 
+def _ctrl_c_enabled() -> None:
+    """SIGINT as in a terminal: a shell without job control starts background jobs (this test
+    run, perhaps) with SIGINT ignored, and children inherit that."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def test_ctrl_c_on_a_generate_stage_stops_its_server(project):
     params = tiny_params()
     params["backends"] = {"local": {"kind": "vllm", "threads": 1}}
@@ -112,17 +118,20 @@ def test_ctrl_c_on_a_generate_stage_stops_its_server(project):
     subprocess.run(
         [sys.executable, "-m", "eaglet", "prompts", "sg"], cwd=project, check=True, timeout=300
     )
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "eaglet", "generate", "sg", "--quiet"],
-        cwd=project,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-    )
-    kids = _wait_for_server(proc)
-    proc.send_signal(signal.SIGINT)
-    proc.wait(timeout=60)
-    assert proc.returncode != 0
-    assert gone(kids), [k.cmdline() for k in kids if k.is_running()]
+    with open(project / "stage.log", "w") as log:  # the server's log goes to the stage's stderr
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "eaglet", "generate", "sg", "--quiet"],
+            cwd=project,
+            stdout=subprocess.DEVNULL,
+            stderr=log,
+            preexec_fn=_ctrl_c_enabled,
+        )
+        kids = _wait_for_server(proc)
+        proc.send_signal(signal.SIGINT)
+        proc.wait(timeout=60)
+    assert proc.returncode == 130, (project / "stage.log").read_text()[-2000:]
+    assert "eaglet: interrupted" in (project / "stage.log").read_text()
+    assert gone(kids, within=60), [k.cmdline() for k in kids if k.is_running()]
 
 
 # ---------------------------------------------------------------------------- generation
