@@ -101,7 +101,6 @@ class VLLMHidden:
         threads: int = 0,
         log: str | os.PathLike | None = None,
     ):
-        from eaglet.backends.http import Client
         from eaglet.engines.vllm import Engine, ServeConfig
 
         self.vllm_ids = sorted({i + 1 for i in layer_ids} | {n_layers})
@@ -147,10 +146,13 @@ class VLLMHidden:
                 },
             )
             self.engine = Engine(serve, log=log)
-        self.engine.start()
+        try:
+            self.engine.start()
+        except BaseException:
+            self.close()
+            raise
         self.served = self.engine.config.served_name if self.engine.config else cfg["model"]
-        policy = {"backoff_s": 0.5, "backoff_max_s": 30.0, **cfg}
-        self._client = lambda: Client(self.engine.url, policy)
+        self.policy = {"backoff_s": 0.5, "backoff_max_s": 30.0, **cfg}  # http.Client's retries
 
     def run(self, batches: list[list[list[int]]]) -> list[list[States]]:
         return asyncio.run(self._run(batches))
@@ -161,7 +163,9 @@ class VLLMHidden:
             shutil.rmtree(self.spool, ignore_errors=True)
 
     async def _run(self, batches: list[list[list[int]]]) -> list[list[States]]:
-        client = self._client()
+        from eaglet.backends.http import Client
+
+        client = Client(self.engine.url, self.policy)
         try:
             return await asyncio.gather(
                 *(asyncio.gather(*(self._one(client, ids) for ids in b)) for b in batches)
