@@ -18,6 +18,7 @@ from pathlib import Path
 import httpx
 
 from eaglet.engines.vllm import Engine, ServeConfig, eagle3, spec_counters
+from eaglet.speculative import against_greedy
 
 
 def complete(http: httpx.Client, model: str, prompt: list[int], max_new: int, stop: list[int]):
@@ -80,14 +81,7 @@ def measure(
         m = r["counters"].summary()
         tps = r["tokens"] / r["seconds"]
         same = [a == b for a, b in zip(r["outputs"], plain["outputs"], strict=True)]
-        m.update(
-            generated_tokens=r["tokens"],
-            greedy_equal=all(same),
-            greedy_mismatches=same.count(False),
-            tokens_per_s=round(tps, 2),
-            greedy_tokens_per_s=round(greedy_tps, 2),
-            speedup=round(tps / greedy_tps, 3),
-        )
+        m.update(generated_tokens=r["tokens"], **against_greedy(same, tps, greedy_tps))
         out[f"num_steps_{s}"] = m
     out["startup_s"] = startup
     return out

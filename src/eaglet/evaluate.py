@@ -108,13 +108,7 @@ def decode_all(
         m = speculative.acceptance(results, s)
         same = [r.tokens == g.tokens for r, g in zip(results, plain, strict=True)]
         tps = m["generated_tokens"] / sum(r.seconds for r in results)
-        m.update(
-            greedy_equal=all(same),
-            greedy_mismatches=same.count(False),
-            tokens_per_s=round(tps, 2),
-            greedy_tokens_per_s=round(greedy_tps, 2),
-            speedup=round(tps / greedy_tps, 3),
-        )
+        m.update(speculative.against_greedy(same, tps, greedy_tps))
         out[f"num_steps_{s}"] = m
     return out, [r.tokens for r in plain]
 

@@ -26,7 +26,7 @@ from safetensors.torch import load_file, save_file
 
 from eaglet import target as target_files
 from eaglet import train
-from eaglet.arch import rope
+from eaglet.arch import FIELDS, rope
 from eaglet.atomic import atomic_path
 from eaglet.drafter import Drafter, DrafterConfig
 from eaglet.errors import EagletError
@@ -208,17 +208,7 @@ def read_config(folder: Path) -> tuple[str, DrafterConfig]:
         raise EagletError(f"{where}: num_hidden_layers must be 1")
     if layer.get("tie_word_embeddings", False):
         raise EagletError(f"{where}: tie_word_embeddings must be false")
-    fields = (
-        "hidden_size",
-        "intermediate_size",
-        "num_attention_heads",
-        "num_key_value_heads",
-        "head_dim",
-        "rms_norm_eps",
-        "rope_theta",
-        "max_position_embeddings",
-        "vocab_size",
-    )
+    fields = (*(f for f in FIELDS if f != "rope_scaling"), "vocab_size")  # scaling: optional
     values = {f: _need(layer, f, where) for f in fields}
     scaling = rope(layer)[1]
     cfg = DrafterConfig(

@@ -158,3 +158,14 @@ def acceptance(results: list[Decoded], num_steps: int) -> dict:
         "generated_tokens": tokens,
         "rounds": rounds,
     }
+
+
+def against_greedy(same: list[bool], tps: float, greedy_tps: float) -> dict:
+    """How a speculative run compares with plain greedy decoding of the same prompts."""
+    return {
+        "greedy_equal": all(same),
+        "greedy_mismatches": same.count(False),
+        "tokens_per_s": round(tps, 2),
+        "greedy_tokens_per_s": round(greedy_tps, 2),
+        "speedup": round(tps / greedy_tps, 3),
+    }
