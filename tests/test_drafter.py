@@ -133,7 +133,7 @@ def test_two_ttt_steps_against_a_hand_computed_loss():
     loss_mask = torch.tensor([[False, True, True, True, True, True]])
 
     # the library: target distribution, masks, per-step sums, weighted normalized loss
-    p, in_vocab = train.TargetHead(lm_head, model.t2d)(last, train.shift(loss_mask, 1))
+    p, in_vocab = train.TargetHead(lm_head, model.t2d)(last, train.shift(loss_mask, 1), [(0, "s")])
     masks = train.step_masks(loss_mask, in_vocab, 2)
     ce, _ = train.ttt_sums(model(aux, ids, 2, masks), p, masks)
     counts = torch.stack([m.sum() for m in masks]).float()

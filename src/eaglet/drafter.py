@@ -167,8 +167,10 @@ def attend(
     own index. q [B, h, T, d]; k, v [B, kv_h, S, d]; diagonal pairs [B, kv_h, T, d].
 
     Queries go in chunks of rows so that at most `scores` (default SCORES) exist at once;
-    under autograd a chunk's scores are recomputed in backward rather than kept, so memory
-    grows linearly with T (compute stays quadratic)."""
+    under autograd, when there is more than one chunk, a chunk's scores are recomputed in
+    backward rather than kept, so memory grows linearly with T (compute stays quadratic)."""
+    if not diagonal and past == 0 and q.shape[2] == k.shape[2]:  # plain causal: the fused kernel
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
     groups = q.shape[1] // k.shape[1]
     k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
     dk = [kd.repeat_interleave(groups, dim=1) for kd, _ in diagonal]
@@ -181,7 +183,7 @@ def attend(
         seen = min(past + j, k.shape[2])  # the last key any query of the chunk may see
         args = (q[:, :, i:j], k[:, :, :seen], v[:, :, :seen], past + i)
         args += ([x[:, :, i:j] for x in dk], [x[:, :, i:j] for x in dv])
-        if torch.is_grad_enabled():
+        if torch.is_grad_enabled() and rows < t:
             out.append(checkpoint(_attend_rows, *args, use_reentrant=False))
         else:
             out.append(_attend_rows(*args))
