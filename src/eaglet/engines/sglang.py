@@ -1,5 +1,5 @@
 """SGLang servers: generation (native `POST /generate`, or its OpenAI-compatible chat route) and
-hidden states (two servers, `SGLangHidden`).
+hidden states (two servers, `SGLangHidden`), both through the engine layer's one HTTP client.
 
 `/generate` gets the prompt as `input_ids`, rendered by the target's own chat template here (so
 the server's template can never drift from the one the drafter is trained with), and
@@ -11,7 +11,6 @@ the server's template can never drift from the one the drafter is trained with),
 from __future__ import annotations
 
 import asyncio
-import random
 from typing import TYPE_CHECKING, Any
 
 import httpx
@@ -31,7 +30,6 @@ if TYPE_CHECKING:
 # eaglet speculates with transformers (eaglet.speculative) and vLLM (the engine evaluation), not
 # with SGLang: its export is written and validated, never served here
 CAN = frozenset({"generate", "hidden"})
-RETRY_STATUS = {408, 429, 500, 502, 503, 504}
 
 
 def generator(params: Params, name: str, cfg: dict, threads: int | None = None) -> SGLangBackend:
@@ -137,14 +135,15 @@ class SGLangHidden:
     concatenated to [T, K*H]) and `last_url` with `--enable-return-hidden-states` (the state fed
     to lm_head, [T, H]); SGLang returns one or the other per server. Both need
     `--disable-radix-cache`, so a cached prefix never shortens the returned prefill states.
+    One `Client` per server (`hidden.timeout_s`, `hidden.max_retries`), `concurrency` batches
+    in flight.
     """
 
     def __init__(self, cfg: dict, hidden_size: int, n_aux: int):
         import torch
 
+        self.cfg = cfg
         self.url, self.last_url = cfg["url"].rstrip("/"), cfg["last_url"].rstrip("/")
-        self.concurrency, self.retries = cfg["concurrency"], cfg["max_retries"]
-        self.timeout = cfg["timeout_s"]
         self.hidden_size, self.n_aux = hidden_size, n_aux
         self.dtype = torch.float32
 
@@ -155,23 +154,24 @@ class SGLangHidden:
         return None
 
     async def _run(self, batches: list[list[list[int]]]) -> list[list[States]]:
-        import httpx
+        limit = asyncio.Semaphore(self.cfg["concurrency"])
+        aux_client, last_client = Client(self.url, self.cfg), Client(self.last_url, self.cfg)
 
-        limit = asyncio.Semaphore(self.concurrency)
-        timeout = httpx.Timeout(self.timeout, connect=min(30.0, self.timeout))
-        async with httpx.AsyncClient(timeout=timeout) as client:
+        async def one(batch: list[list[int]]) -> list[States]:
+            async with limit:
+                aux = await self._prefill(aux_client, self.url, batch, self.n_aux)
+                last = await self._prefill(last_client, self.last_url, batch, 1)
+            pairs = zip(aux, last, strict=True)
+            return [(a.reshape(len(a), self.n_aux, -1), b) for a, b in pairs]
 
-            async def one(batch: list[list[int]]) -> list[States]:
-                async with limit:
-                    aux = await self._prefill(client, self.url, batch, self.n_aux)
-                    last = await self._prefill(client, self.last_url, batch, 1)
-                pairs = zip(aux, last, strict=True)
-                return [(a.reshape(len(a), self.n_aux, -1), b) for a, b in pairs]
-
+        try:
             return await asyncio.gather(*(one(b) for b in batches))
+        finally:
+            await aux_client.close()
+            await last_client.close()
 
     async def _prefill(
-        self, client: Any, url: str, batch: list[list[int]], n_states: int
+        self, client: Client, url: str, batch: list[list[int]], n_states: int
     ) -> list[torch.Tensor]:
         import torch
 
@@ -180,7 +180,10 @@ class SGLangHidden:
             "sampling_params": {"max_new_tokens": 1, "temperature": 0.0},
             "return_hidden_states": True,
         }
-        answers = await self._post(client, f"{url}/generate", body)
+        answer = await client.post("/generate", body, lambda data: {"answers": data})
+        if "error" in answer:
+            raise EagletError(f"{url}/generate: {answer['error']}")
+        answers = answer["answers"]
         if not isinstance(answers, list) or len(answers) != len(batch):
             raise EagletError(f"{url}/generate: expected {len(batch)} answers: {answers!r:.200}")
         out = []
@@ -199,31 +202,3 @@ class SGLangHidden:
                 )
             out.append(states)
         return out
-
-    async def _post(self, client: Any, url: str, body: dict) -> Any:
-        import httpx
-
-        for attempt in range(self.retries + 1):
-            try:
-                r = await client.post(url, json=body)
-            except httpx.TransportError as e:
-                if attempt == self.retries:
-                    raise EagletError(f"{url}: {type(e).__name__}: {e}") from None
-                await asyncio.sleep(_backoff(attempt, None))
-                continue
-            if r.status_code == 200:
-                return r.json()
-            if r.status_code not in RETRY_STATUS or attempt == self.retries:
-                raise EagletError(f"{url}: HTTP {r.status_code}: {r.text[:200]}")
-            await asyncio.sleep(_backoff(attempt, r.headers.get("retry-after")))
-        raise AssertionError("unreachable")
-
-
-def _backoff(attempt: int, retry_after: str | None) -> float:
-    """Seconds to wait: the server's Retry-After when given, else jittered exponential."""
-    if retry_after is not None:
-        try:
-            return max(0.0, float(retry_after))
-        except ValueError:
-            pass
-    return min(30.0, 0.5 * 2**attempt) * (0.5 + random.random() / 2)
