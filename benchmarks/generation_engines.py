@@ -24,7 +24,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 
-from eaglet.backends import make_backend  # noqa: E402
+from eaglet.engines.lookup import generator  # noqa: E402
 from eaglet.io import read_jsonl  # noqa: E402
 from eaglet.params import from_dict  # noqa: E402
 
@@ -99,7 +99,7 @@ def main() -> None:
     backends = {}
     for name in ("transformers", "vllm"):
         t0 = time.perf_counter()
-        backends[name] = make_backend(params, name, threads=args.threads)
+        backends[name] = generator(params, name, threads=args.threads)
         report[name] = {"ready_s": round(time.perf_counter() - t0, 1)}
     runs = asyncio.run(rounds(backends, requests, args.batch))
     outputs = {}

@@ -6,6 +6,10 @@ token, [T, W] as nested lists. Like a real server it returns one kind of state p
 `mode="aux"` (`--enable-return-aux-hidden-states`: the EAGLE-3 aux layers concatenated,
 taken from transformers' `output_hidden_states` at index SGL-id + 1) or `mode="full"`
 (`--enable-return-hidden-states`: the state fed to lm_head, the tuple's last entry).
+
+`faults` are served in order, one per request, before any answer: "503" (busy, with
+`Retry-After: 0`), "truncated" (a 200 whose JSON is cut in half), "drop" (the connection is
+closed without an answer).
 """
 
 from __future__ import annotations
@@ -19,9 +23,9 @@ import torch
 
 
 class SGLangServer:
-    def __init__(self, model, mode: str, layer_ids: list[int], busy_first: int = 0):
+    def __init__(self, model, mode: str, layer_ids: list[int], faults: list[str] = ()):
         self.model, self.mode, self.layer_ids = model, mode, layer_ids
-        self.busy_left = busy_first  # answer 503 + Retry-After this many times first
+        self.faults = list(faults)
         self.requests = 0
         self._lock = threading.Lock()
         self._httpd = ThreadingHTTPServer(("127.0.0.1", 0), self._handler())
@@ -65,8 +69,10 @@ class SGLangServer:
             def log_message(self, *args) -> None:
                 return None
 
-            def _send(self, code: int, body: object, headers: dict | None = None) -> None:
+            def _send(self, code: int, body: object, headers=None, cut: bool = False) -> None:
                 data = json.dumps(body).encode()
+                if cut:
+                    data = data[: len(data) // 2]
                 self.send_response(code)
                 self.send_header("Content-Type", "application/json")
                 self.send_header("Content-Length", str(len(data)))
@@ -80,9 +86,14 @@ class SGLangServer:
                 server.requests += 1
                 if self.path != "/generate":
                     return self._send(404, {"error": "not found"})
-                if server.busy_left > 0:
-                    server.busy_left -= 1
+                fault = server.faults.pop(0) if server.faults else None
+                if fault == "503":
                     return self._send(503, {"error": "busy"}, {"Retry-After": "0"})
+                if fault == "drop":
+                    self.close_connection = True
+                    return None
+                if fault == "truncated":
+                    return self._send(200, [{"text": "", "meta_info": {}}], cut=True)
                 if not body.get("return_hidden_states"):
                     return self._send(400, {"error": "return_hidden_states not set"})
                 ids = body["input_ids"]

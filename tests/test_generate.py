@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 
 from eaglet import generate, prompts, status
-from eaglet.backends.http import retry_after
 from eaglet.chat import prompt_ids
+from eaglet.engines.http import retry_after
 from eaglet.errors import EagletError
 from eaglet.io import read_jsonl
 from eaglet.keys import Keys, sidecar_of

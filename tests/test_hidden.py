@@ -142,7 +142,7 @@ def test_sglang_server_gives_the_same_manifest_and_shards(built, smol):
     _, model = smol
     root, _, _, out = built
     with (
-        SGLangServer(model, "aux", [1, 14, 26], busy_first=1) as aux,
+        SGLangServer(model, "aux", [1, 14, 26], faults=["503"]) as aux,
         SGLangServer(model, "full", [1, 14, 26]) as full,
     ):
         params = params_for(

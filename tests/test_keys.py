@@ -179,7 +179,7 @@ EDITS = [
     ("atomic.py", "prefix = f", "prefix: str = f", set()),
     ("hidden_verify.py", '"float32": 1e-3', '"float32": 2e-3', set()),
     ("readers.py", "", "\nREAD_NOTE = 1\n", _and_downstream("prompts")),
-    ("backends/transformers.py", "", "\nPAD_NOTE = 1\n", _and_downstream("responses")),
+    ("engines/transformers.py", "", "\nPAD_NOTE = 1\n", _and_downstream("responses")),
     ("hidden_store.py", "", "\nSHARD_NOTE = 1\n", _and_downstream("hidden")),
     ("vocab.py", "", "\nVOCAB_NOTE = 1\n", _and_downstream("vocab")),
     ("drafter.py", "", "\nLAYER_NOTE = 1\n", _and_downstream("train")),

@@ -24,8 +24,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from eaglet.backends import Backend, make_backend
-from eaglet.backends.http import Abort
+from eaglet.engines.http import Abort
+from eaglet.engines.lookup import Backend, generator
 from eaglet.errors import EagletError
 from eaglet.io import dumps, read_json, read_jsonl, write_json, write_jsonl_zst
 from eaglet.keys import Keys, sidecar_of
@@ -415,7 +415,7 @@ def _dispatch(
     progress = Progress(f"responses {j.dataset}", misses, quiet=quiet)
     store.run_started(j.dataset, j.response_key)
     state = "failed"
-    backend = make_backend(params, j.backend, threads=threads)
+    backend = generator(params, j.backend, threads=threads)
     d = Dispatch(j, backend, store, progress)
 
     async def heartbeat() -> None:

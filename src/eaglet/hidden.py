@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from eaglet.chat import assistant_turn, prompt_ids, stop_ids
-from eaglet.device import resolve_dtype
+from eaglet.engines.lookup import hidden_states
 from eaglet.errors import EagletError
 from eaglet.hidden_store import FORMAT, PartialDir, Storage
 from eaglet.io import dumps, read_jsonl, write_json
@@ -174,21 +174,6 @@ def length_batches(lengths: list[int], batch_tokens: int) -> list[list[int]]:
     return batches
 
 
-def make_backend(params: Params, target: Target, ids: list[int], threads: int | None = None):
-    """The hidden-states backend that params.yaml's `hidden.backend` names."""
-    from eaglet.hidden_backends import SGLangHidden, TransformersHidden, VLLMHidden
-
-    h = params.data["hidden"]
-    if h["backend"] == "sglang":
-        return SGLangHidden(h, target.config.hidden_size, len(ids))
-    threads = threads or h["threads"]
-    if h["backend"] == "vllm":
-        dtype = resolve_dtype(h["compute_dtype"], h["device"])
-        n_layers = target.config.num_hidden_layers
-        return VLLMHidden(target.spec, h, ids, n_layers, dtype, target.max_length, threads)
-    return TransformersHidden(target.spec, h["device"], h["compute_dtype"], ids, threads)
-
-
 def run_samples(backend, samples: list[dict], batch_tokens: int) -> list[dict]:
     """The samples with their `aux` and `last` states filled in (same order)."""
     groups = length_batches([len(s["input_ids"]) for s in samples], batch_tokens)
@@ -245,7 +230,7 @@ def build(
             file=sys.stderr,
         )
     t_load = time.monotonic()
-    backend = make_backend(params, target, ids, threads)
+    backend = hidden_states(params, target, ids, threads)
     load_s += time.monotonic() - t_load  # tokenizer and model: once per run
     progress = Progress(f"hidden {dataset}", len(samples), quiet=quiet, unit="seq")
     t_run, forward_s = time.monotonic(), 0.0

@@ -8,8 +8,9 @@ from pathlib import Path
 
 import torch
 
+from eaglet.engines.lookup import hidden_states
 from eaglet.errors import EagletError
-from eaglet.hidden import Target, _responses, make_backend, run_samples, sequence
+from eaglet.hidden import Target, _responses, run_samples, sequence
 from eaglet.hidden_store import HiddenReader, decode, encode
 from eaglet.keys import Keys
 from eaglet.params import Params
@@ -63,7 +64,7 @@ def verify(
         else:
             fresh.append(sample)
     ids = m["aux_layer_ids"]["sglang"]
-    backend = make_backend(params, target, ids, threads)
+    backend = hidden_states(params, target, ids, threads)
     try:
         fresh = run_samples(backend, fresh, batch_tokens=1)  # each alone: no batch effects
     finally:

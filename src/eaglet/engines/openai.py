@@ -1,4 +1,4 @@
-"""Any OpenAI-compatible chat-completions endpoint, OpenRouter first.
+"""Any OpenAI-compatible chat-completions endpoint, OpenRouter first: generation only.
 
 The bearer key comes from the environment variable named by `api_key_env`, never from params,
 and appears in no log, record or error. `usage.cost` is the cost (else `price_per_mtok`, else
@@ -14,8 +14,17 @@ from typing import Any
 
 import httpx
 
-from eaglet.backends.http import Client, Retryable, classify, unreachable
+from eaglet.engines.http import Client, Retryable, classify, unreachable
 from eaglet.errors import EagletError
+from eaglet.params import Params
+from eaglet.target import load_tokenizer, spec_of
+
+CAN = frozenset({"generate"})  # text (and usage) back, never a state of the target
+
+
+def generator(params: Params, name: str, cfg: dict, threads: int | None = None) -> OpenAIBackend:
+    spec = spec_of(params)
+    return OpenAIBackend(name, cfg, lambda: load_tokenizer(spec))
 
 
 class OpenAIBackend:

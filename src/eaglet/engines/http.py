@@ -1,6 +1,7 @@
-"""What every HTTP backend shares: the client, the retry policy and the error classes.
+"""The one HTTP client and retry policy of the engine layer: every engine spoken to over HTTP
+(openai, sglang, vllm), for generation and hidden states alike, posts through `Client`.
 
-One `httpx.AsyncClient` per backend, HTTP/1.1 keep-alive, explicit timeouts, at most
+One `httpx.AsyncClient` per server, HTTP/1.1 keep-alive, explicit timeouts, at most
 `concurrency` connections, no cookies, no proxies from the environment. Its transport spreads
 requests over small connection pools: httpcore scans every connection of a pool (with a
 socket poll per idle one) for each request, which costs O(connections) per request and capped
@@ -8,8 +9,10 @@ one 256-connection pool near 40 req/s on 2 cores; pools of 16 keep that scan sho
 
 Retries: exponential backoff with full jitter on 408/409/425/429/5xx, timeouts, dropped
 connections and malformed JSON; `Retry-After` is honoured, and a 429 that carries it pauses
-every request of the backend, not just the one that got it. 400/401/403/404 are not retried;
-401 and a 402 for credits stop the whole run; a 402 for the in-flight budget is retried.
+every request of the client, not just the one that got it. 400/401/403/404 are not retried;
+401 and a 402 for credits stop the whole run; a 402 for the in-flight budget is retried. The
+knobs come from the config of the backend (or of `hidden`): `timeout_s`, `concurrency`,
+`max_retries`, `backoff_s` and `backoff_max_s` (`hidden` has none of the last two: 0.5 s, 30 s).
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ from eaglet.errors import EagletError
 POOL_CONNECTIONS = 16
 RETRY_STATUS = {408, 409, 425, 429}
 MAX_RETRY_AFTER_S = 600.0
+BACKOFF_S, BACKOFF_MAX_S = 0.5, 30.0  # where the config has no backoff knobs (`hidden`)
 
 # httpcore asks `import sniffio` for every lock it makes; when sniffio is absent each failed
 # import rescans sys.path (~90 us, several times per request). Cache the absence once.
@@ -130,7 +134,7 @@ def classify(status: int, body: Any, headers: httpx.Headers, key_env: str | None
 
 
 class Client:
-    """The backend's HTTP client: JSON in, JSON out, retried by the policy above."""
+    """One server's HTTP client: JSON in, JSON out, retried by the policy above."""
 
     def __init__(self, base_url: str, cfg: dict, headers: dict | None = None, key_env=None):
         t = cfg["timeout_s"]
@@ -143,7 +147,8 @@ class Client:
             follow_redirects=False,
         )
         self.max_retries = cfg["max_retries"]
-        self.backoff_s, self.backoff_max_s = cfg["backoff_s"], cfg["backoff_max_s"]
+        self.backoff_s = cfg.get("backoff_s", BACKOFF_S)
+        self.backoff_max_s = cfg.get("backoff_max_s", BACKOFF_MAX_S)
         self.key_env = key_env
         self._not_before = 0.0  # a 429 with Retry-After holds every request until then
 

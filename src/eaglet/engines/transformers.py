@@ -1,7 +1,9 @@
-"""In-process generation with `transformers`: the embedded default, on CPU or GPU.
+"""The target in-process with `transformers`, on CPU or GPU: the embedded default for generation
+and hidden states.
 
-Prompts are rendered with the target's chat template, sorted by length, left-padded into
-batches and decoded greedily (temperature 0) or by sampling under a fixed seed.
+Generation: prompts are rendered with the target's chat template, sorted by length, left-padded
+into batches and decoded greedily (temperature 0) or by sampling under a fixed seed. Hidden
+states: forward hooks on the decoder trunk (`TransformersHidden`).
 """
 
 from __future__ import annotations
@@ -10,16 +12,33 @@ import asyncio
 import time
 from typing import Any
 
+import torch
+
 from eaglet.chat import prompt_ids, stop_ids
-from eaglet.target import TargetSpec, load_model, load_tokenizer, pick_device
+from eaglet.errors import EagletError
+from eaglet.params import Params
+from eaglet.target import TargetSpec, load_model, load_tokenizer, pick_device, spec_of
+
+# speculate: eaglet's own speculative decoder (eaglet.speculative) runs on this in-process target
+CAN = frozenset({"generate", "hidden", "speculate"})
+States = tuple[torch.Tensor, torch.Tensor]
+
+
+def generator(
+    params: Params, name: str, cfg: dict, threads: int | None = None
+) -> TransformersBackend:
+    return TransformersBackend(name, spec_of(params), cfg, threads=threads)
+
+
+def hidden_states(h: dict, target: Any, layer_ids: list[int], threads: int | None = None):
+    threads = threads or h["threads"]
+    return TransformersHidden(target.spec, h["device"], h["compute_dtype"], layer_ids, threads)
 
 
 class TransformersBackend:
     concurrency = 1  # one batch at a time: the model already uses every core
 
     def __init__(self, name: str, spec: TargetSpec, cfg: dict, threads: int | None = None):
-        import torch
-
         self.name, self.spec, self.cfg = name, spec, cfg
         self.batch_size = cfg["batch_size"]
         self.window = 8 * self.batch_size  # sorted by length, then cut into batches
@@ -48,8 +67,6 @@ class TransformersBackend:
         return None
 
     def _generate(self, batch: list[dict]) -> list[dict]:
-        import torch
-
         sampling = batch[0]["sampling"]
         assert all(r["sampling"] == sampling for r in batch), "one sampling setting per batch"
         width = max(len(r["_ids"]) for r in batch)
@@ -98,3 +115,51 @@ class TransformersBackend:
                 }
             )
         return results
+
+
+class TransformersHidden:
+    """The target's decoder trunk with forward hooks on the aux layers and the final norm.
+
+    Batches are right-padded without an attention mask: under causal attention a real token
+    never sees the padding after it. The lm_head is never run.
+    """
+
+    def __init__(
+        self, spec: TargetSpec, device: str, dtype: str, layer_ids: list[int], threads: int = 0
+    ):
+        if threads:
+            torch.set_num_threads(threads)
+        self.model = load_model(spec, device, dtype)
+        self.device = self.model.device
+        self.dtype = self.model.dtype
+        self.trunk = self.model.base_model
+        if not hasattr(self.trunk, "layers") or not hasattr(self.trunk, "norm"):
+            raise EagletError(f"target {spec.name}: no decoder `layers` and final `norm` to hook")
+        self.layer_ids = layer_ids
+        self._captured: dict[Any, torch.Tensor] = {}
+        self._hooks = [self.trunk.layers[i].register_forward_hook(self._hook(i)) for i in layer_ids]
+        self._hooks.append(self.trunk.norm.register_forward_hook(self._hook("last")))
+
+    def _hook(self, name: Any):
+        def capture(module, args, output) -> None:
+            self._captured[name] = output[0] if isinstance(output, tuple) else output
+
+        return capture
+
+    def run(self, batches: list[list[list[int]]]) -> list[list[States]]:
+        return [self._forward(batch) for batch in batches]
+
+    @torch.inference_mode()
+    def _forward(self, batch: list[list[int]]) -> list[States]:
+        width = max(len(s) for s in batch)
+        ids = torch.zeros((len(batch), width), dtype=torch.long)
+        for i, s in enumerate(batch):
+            ids[i, : len(s)] = torch.tensor(s)
+        self.trunk(input_ids=ids.to(self.device), use_cache=False)
+        aux = torch.stack([self._captured.pop(i) for i in self.layer_ids], dim=2).cpu()
+        last = self._captured.pop("last").cpu()
+        return [(aux[i, : len(s)], last[i, : len(s)]) for i, s in enumerate(batch)]
+
+    def close(self) -> None:
+        for h in self._hooks:
+            h.remove()
