@@ -40,7 +40,7 @@ from hidden_states import bare, pressure, project, stage  # noqa: E402
 from eaglet import drafter_data, generate, train, vocab  # noqa: E402
 from eaglet.chat import prompt_ids  # noqa: E402
 from eaglet.drafter import Drafter, DrafterConfig  # noqa: E402
-from eaglet.engines.vllm import Engine  # noqa: E402
+from eaglet.engines.vllm import Engine, serve_config  # noqa: E402
 from eaglet.errors import EagletError  # noqa: E402
 from eaglet.io import read_json, read_jsonl  # noqa: E402
 from eaglet.keys import Keys, sidecar_of  # noqa: E402
@@ -130,8 +130,6 @@ def generation(args, model, tokenizer) -> dict:
 
 def serve_config_of(params):
     """The server the demo's generation backend starts."""
-    from eaglet.backends.vllm import serve_config
-
     cfg = params.backend(params.generation("x")["backend"])
     return serve_config(spec_of(params), cfg, params.target["max_length"], None)
 
