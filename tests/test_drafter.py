@@ -217,6 +217,29 @@ def _attend_full(q, k, v, past, diagonal):
     return out
 
 
+def test_argmax_in_draft_vocab_is_kept_per_sample_across_batches():
+    """The in-vocab check computed once per sample equals the full-vocab argmax, whatever batch
+    (and padded width) the sample comes back in."""
+    torch.manual_seed(3)
+    lm_head, t2d = torch.randn(40, 8), torch.zeros(40, dtype=torch.bool)
+    t2d[::3] = True
+    head = train.TargetHead(lm_head, t2d)
+    last = torch.randn(3, 7, 8)
+    need = torch.ones(3, 7, dtype=torch.bool)
+    need[1, 4:] = False  # a shorter sample
+    _, first = head(last, need, [(0, "a"), (0, "b"), (0, "c")])
+    assert torch.equal(first, need & t2d[(last @ lm_head.T).argmax(-1)])
+    # b alone, padded wider, and a cut narrower: the kept rows, not a recomputation
+    last_b = torch.cat([last[1:2, :4], torch.zeros(1, 5, 8)], dim=1)
+    need_b = torch.zeros(1, 9, dtype=torch.bool)
+    need_b[0, :4] = True
+    head.argmax_in_draft = None  # a recomputation would fail
+    _, again = head(last_b, need_b, [(0, "b")])
+    assert torch.equal(again[0, :7], first[1]) and not again[0, 7:].any()
+    _, cut = head(last[:1, :5], need[:1, :5], [(0, "a")])
+    assert torch.equal(cut[0], first[0, :5])
+
+
 @pytest.mark.parametrize("past", [0, 5])
 def test_chunked_attention_equals_the_full_score_matrix_with_gradients(past):
     """Chunks of 3 query rows (budget of 3·4·S scores), checkpointed: same outputs and same

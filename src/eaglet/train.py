@@ -63,7 +63,7 @@ class TargetHead:
     def __init__(self, lm_head: Tensor, t2d: Tensor, dtype: torch.dtype = torch.float32):
         self.draft = lm_head[t2d].float()
         self.rest = lm_head[~t2d].to(dtype)
-        self.known: dict[drafter_data.Ref, Tensor] = {}  # sample -> in_vocab up to its end
+        self.known: dict[drafter_data.Ref, Tensor] = {}  # sample -> its in_vocab row
 
     def to(self, device) -> TargetHead:
         self.draft, self.rest = self.draft.to(device), self.rest.to(device)
@@ -77,25 +77,26 @@ class TargetHead:
         vocab is a draft id."""
         p = torch.zeros(*need.shape, self.draft.shape[0], device=last.device)
         p[need] = torch.softmax(last[need].float() @ self.draft.T, dim=-1)
+        new = [i for i, ref in enumerate(refs) if ref not in self.known]
+        if new:  # the batch's unseen samples, in one product
+            rows = torch.cat([last[i][need[i]] for i in new]).float()
+            hits = self.argmax_in_draft(rows).split([int(need[i].sum()) for i in new])
+            for i, hit in zip(new, hits, strict=True):
+                known = torch.zeros_like(need[i])
+                known[need[i]] = hit
+                self.known[refs[i]] = known  # False past the sample's end, so any width fits
         in_vocab = torch.zeros_like(need)
         for i, ref in enumerate(refs):
-            if ref not in self.known:
-                self.known[ref] = self.argmax_in_draft(last[i], need[i])
             known = self.known[ref][: need.shape[1]]
             in_vocab[i, : len(known)] = known
         return p, in_vocab
 
-    def argmax_in_draft(self, last: Tensor, need: Tensor) -> Tensor:
-        """in_vocab [T] of one sample (False past its last needed position)."""
-        end = int(need.nonzero().max()) + 1 if need.any() else 0
-        out = torch.zeros_like(need[:end])
-        rows = last[:end][need[:end]].float()
-        if self.rest.numel():
-            best = (rows @ self.draft.T).max(-1).values
-            out[need[:end]] = best >= (rows.to(self.rest.dtype) @ self.rest.T).max(-1).values
-        else:
-            out[need[:end]] = True
-        return out
+    def argmax_in_draft(self, rows: Tensor) -> Tensor:
+        """Whether the target's argmax is a draft id, for final states rows [N, H] (fp32)."""
+        if not self.rest.numel():
+            return torch.ones(len(rows), dtype=torch.bool, device=rows.device)
+        best = (rows @ self.draft.T).max(-1).values
+        return best >= (rows.to(self.rest.dtype) @ self.rest.T).max(-1).values.float()
 
 
 def step_masks(loss_mask: Tensor, in_vocab: Tensor, steps: int) -> list[Tensor]:
