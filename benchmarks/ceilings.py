@@ -37,11 +37,12 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from hidden_states import bare, pressure, project, stage  # noqa: E402
 
-from eaglet import drafter_data, generate, train, vocab  # noqa: E402
+from eaglet import drafter_data, generate, prompts, train, vocab  # noqa: E402
 from eaglet.chat import prompt_ids  # noqa: E402
 from eaglet.drafter import Drafter, DrafterConfig  # noqa: E402
 from eaglet.engines.vllm import Engine, serve_config  # noqa: E402
 from eaglet.errors import EagletError  # noqa: E402
+from eaglet.hidden_store import HiddenReader  # noqa: E402
 from eaglet.io import read_json, read_jsonl  # noqa: E402
 from eaglet.keys import Keys, sidecar_of  # noqa: E402
 from eaglet.params import load  # noqa: E402
@@ -115,6 +116,7 @@ def generation(args, model, tokenizer) -> dict:
         log = Path(tmp) / "engine.log"
         with Engine(serve_config_of(params), log=log) as engine:  # its start-up, alone
             startup = engine.startup_s
+        prompts.build(params, "x")
         out = generate.build(params, "x", threads=args.threads, quiet=True)
         elapsed = read_json(sidecar_of(out))["stats"]["elapsed_s"]
         tokens = sum(r["completion_tokens"] or 0 for r in read_jsonl(out))
@@ -135,19 +137,19 @@ def serve_config_of(params):
 
 
 def hidden(args, model) -> dict:
+    """The bare trunk over the sequences the hidden stage stored, then the stage (no load)."""
     with tempfile.TemporaryDirectory() as tmp:
         ns = argparse.Namespace(samples=32, tokens=256, threads=args.threads, compute_dtype="auto")
         params_file = project(Path(tmp), ns)
-        st = stage(params_file, Path(tmp) / "states")
-        tokens = st["tokens"]
-        reader_seqs = [
-            r["prompt_ids"] + r["output_ids"]
-            for r in read_jsonl(Keys(load(params_file)).path("responses", "sg"))
-        ]
-        ceiling = sum(map(len, reader_seqs)) / bare(model.float(), reader_seqs, 4096)
+        out = Path(tmp) / "states"
+        stage(params_file, out)  # warm-up, and the sequences the bare loop replays
+        seqs = [s["input_ids"].tolist() for s in HiddenReader(out)]
+        batch_tokens = load(params_file).data["hidden"]["batch_tokens"]
+        ceiling = sum(map(len, seqs)) / bare(model, seqs, batch_tokens)
+        st = stage(params_file, out)
     return {
         "bare_trunk_tokens_s": round(ceiling, 1),
-        "stage_tokens_s": round(tokens / st["elapsed_s"], 1),
+        "stage_tokens_s": round(st["tokens"] / (st["elapsed_s"] - st["load_s"]), 1),
     }
 
 
