@@ -16,6 +16,7 @@ a ceiling measured on the same machine a moment before:
 Threads: --threads (the demo's jobs use 2). CPU pressure is shown next to the numbers.
 
     .venv/bin/python benchmarks/ceilings.py [--batch 128] [--prompts 256] [--train-steps 12]
+        [--params BUILT_DEMO/params.yaml]
 """
 
 from __future__ import annotations
@@ -154,7 +155,7 @@ def hidden(args, model) -> dict:
 
 
 def training(args) -> dict | None:
-    params = load(ROOT / "params.yaml")
+    params = load(args.params)
     try:
         readers = drafter_data.open_readers(params, "demo")
     except EagletError as e:  # not built yet
@@ -234,6 +235,7 @@ def main() -> None:
     ap.add_argument("--prompts", type=int, default=256)
     ap.add_argument("--train-steps", type=int, default=12)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--params", default=str(ROOT / "params.yaml"), help="a built demo (training)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     params = load(ROOT / "params.yaml")
