@@ -25,7 +25,7 @@ pytestmark = pytest.mark.slow
 
 # the jobs of the drafter `d` downstream of any dataset change
 DRAFTER = {"vocab": 1, "train": 1, "evaluate": 1, "export": 2}
-COPY = ["Snakefile", "rules", "profiles", "envs", "dvc.yaml", "src", "data/demo"]
+COPY = ["Snakefile", "rules", "profiles", "envs", "dvc.yaml", "src", "data/demo", "data/heldout"]
 
 
 def run(repo: Path, *cmd: str, check: bool = True) -> str:
@@ -72,6 +72,7 @@ def repo(tmp_path_factory) -> Path:
     data = tiny_params(max_new_tokens=4)
     data["datasets"]["sg"]["max_samples"] = 3
     data["datasets"]["dolly"]["max_samples"] = 3
+    data["drafters"]["d"]["evaluate"]["heldout_prompts"] = {"path": "data/heldout/natural.jsonl"}
     write_params(repo, data)
     git(repo, "init", "-q")
     run(repo, sys.executable, "-m", "dvc", "init", "-q")

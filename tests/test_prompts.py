@@ -183,3 +183,28 @@ def test_unknown_dataset(tmp_path):
     )
     with pytest.raises(EagletError, match="no dataset 'x'"):
         prompts.build(load(tmp_path / "params.yaml"), "x")
+
+
+def test_heldout_prompt_file_is_read_in_order_and_must_not_overlap_training(project):
+    from types import SimpleNamespace
+
+    from eaglet.chat import prompt_ids
+    from eaglet.evaluate import file_prompts
+    from eaglet.target import SMOLLM2, load_tokenizer, resolve
+
+    from .conftest import ROOT, tiny_params
+
+    data = tiny_params()
+    data["drafters"]["d"]["evaluate"]["heldout_prompts"] = {
+        "path": str(ROOT / "data" / "heldout" / "natural.jsonl")
+    }
+    params = load(write_params(project, data))
+    tok = load_tokenizer(resolve(SMOLLM2))
+    rows = [json.loads(line) for line in (ROOT / "data/heldout/natural.jsonl").open()][:2]
+    want = [prompt_ids(tok, [{"role": "user", "content": r["instruction"]}]) for r in rows]
+    trained = SimpleNamespace(ids=["0" * 16])  # a reader's sample ids are prompt ids
+    assert file_prompts(params, "d", [trained], tok) == want  # `prompts: 2`, file order
+
+    first = prompt_id([{"role": "user", "content": rows[0]["instruction"]}])
+    with pytest.raises(EagletError, match=r"natural\.jsonl:1: also a prompt of the drafter"):
+        file_prompts(params, "d", [SimpleNamespace(ids=[first])], tok)

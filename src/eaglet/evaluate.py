@@ -17,12 +17,13 @@ import csv
 import itertools
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 
 from eaglet import drafter_data, engine_eval, speculative, train
 from eaglet.atomic import atomic_path
-from eaglet.chat import stop_ids
+from eaglet.chat import prompt_ids, stop_ids
 from eaglet.drafter import Drafter
 from eaglet.engines.vllm import ServeConfig
 from eaglet.errors import EagletError
@@ -30,6 +31,7 @@ from eaglet.io import write_json
 from eaglet.keys import Keys, sidecar_of
 from eaglet.params import Params
 from eaglet.progress import Progress
+from eaglet.prompts import collect
 from eaglet.target import load_model, load_tokenizer, materialize, spec_of
 
 
@@ -46,6 +48,23 @@ def heldout_prompts(readers: list, held: list, n: int) -> list[list[int]]:
     ordered = [(r % len(readers), sid) for r, sid in enumerate(turns)]
     prompts = (prompt_of(readers[r].get(sid)) for r, sid in ordered if sid is not None)
     return list(itertools.islice((p for p in prompts if p is not None), n))
+
+
+def file_prompts(params: Params, drafter: str, readers: list, tokenizer: Any) -> list[list[int]]:
+    """The first `prompts` prompts of `evaluate.heldout_prompts` (file order), as the target
+    sees them; none may be a prompt of the drafter's data (sample ids are prompt ids)."""
+    d = params.drafter(drafter)
+    file = d["evaluate"]["heldout_prompts"]
+    source = params.resolve(file["path"])
+    records, _ = collect(source, file["format"], "heldout")
+    seen = {sid for r in readers for sid in r.ids}
+    for rec in records:
+        if rec["id"] in seen:
+            raise EagletError(
+                f"{source}:{rec['source']['line']}: also a prompt of the drafter's datasets "
+                f"(drafters.{drafter}.datasets), so not held out"
+            )
+    return [prompt_ids(tokenizer, r["messages"]) for r in records[: d["evaluate"]["prompts"]]]
 
 
 @torch.no_grad()
@@ -231,7 +250,10 @@ def build(
     stop = set(stop_ids(load_tokenizer(spec), target_model))
     model.to(next(target_model.parameters()).device)
     target = speculative.Target(target_model, list(model.cfg.aux_layer_ids))
-    prompts = heldout_prompts(readers, held, cfg["prompts"])
+    if "heldout_prompts" in cfg:
+        prompts = file_prompts(params, drafter, readers, load_tokenizer(spec))
+    else:
+        prompts = heldout_prompts(readers, held, cfg["prompts"])
     if not prompts:
         raise EagletError(
             f"drafters.{drafter}: no held-out prompts to decode (heldout_fraction "

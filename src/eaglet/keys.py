@@ -255,14 +255,19 @@ def sidecar_of(artifact: Path) -> Path:
     return artifact.parent / f"{artifact.name.split('.')[0]}.json"
 
 
+def _digest(p: Params, path: str, where: str) -> str:
+    """SHA-256 of the file at `path` (relative to the params file), named by `where`."""
+    source = p.resolve(path)
+    try:
+        return file_digest(source)
+    except FileNotFoundError:
+        raise EagletError(f"{p.path}: {where}.path: {source}: no such file") from None
+
+
 def _prompts_slice(keys: Keys, ds: str) -> tuple[dict, dict]:
     p = keys.params
     d = p.dataset(ds)
-    source = p.resolve(d["path"])
-    try:
-        digest = file_digest(source)
-    except FileNotFoundError:
-        raise EagletError(f"{p.path}: datasets.{ds}.path: {source}: no such file") from None
+    digest = _digest(p, d["path"], f"datasets.{ds}")
     max_prompt_tokens = d.get("max_prompt_tokens", p.data["prompts"].get("max_prompt_tokens"))
     slice_ = {
         "source_sha256": digest,
@@ -348,6 +353,12 @@ def _train_slice(keys: Keys, drafter: str) -> tuple[dict, dict]:
 def _evaluate_slice(keys: Keys, drafter: str) -> tuple[dict, dict]:
     d = keys.params.drafter(drafter)
     evaluate = dict(d["evaluate"], device=device_type(d["evaluate"]["device"]))
+    if "heldout_prompts" in evaluate:  # the file's bytes, not where it lies
+        file = evaluate.pop("heldout_prompts")
+        evaluate["heldout_prompts"] = {
+            "sha256": _digest(keys.params, file["path"], f"drafters.{drafter}.evaluate"),
+            "format": file["format"],
+        }
     slice_ = {
         "evaluate": evaluate,
         "heldout_fraction": d["heldout_fraction"],
