@@ -121,7 +121,10 @@ def test_backend_identity_excludes_speed_settings(tmp_path):
 
 
 def test_shipped_params_validate():
-    for path in [ROOT / "params.yaml", *sorted((ROOT / "examples").glob("*.params.yaml"))]:
+    for path in [
+        *sorted(ROOT.glob("params*.yaml")),
+        *sorted((ROOT / "examples").glob("*.params.yaml")),
+    ]:
         p = load(path)
         assert p.datasets and p.drafters
 
