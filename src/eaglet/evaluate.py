@@ -6,9 +6,10 @@ included, as SGLang counts), acceptance per draft position, and the check that e
 equals plain greedy decoding of the target. Also a fast offline estimate from the held-out
 hidden states: the teacher-forced chain from every assistant position (what chain decoding
 would accept there, without running the target). With `engine: vllm`, the same prompts are run by
-vLLM serving the target with the drafter's vLLM export (eaglet.engine_eval); the engine's mean
-acceptance length is then the headline, stated next to eaglet's own. Writes metrics.json and PNG
-plots of the acceptance per position and of the training loss.
+vLLM serving the target with the drafter's vLLM export (eaglet.engine_eval) first; the engine's
+plain greedy text is then the reference both speculative outputs must equal (eaglet does not decode
+it again), and the engine's mean acceptance length is the headline, stated next to eaglet's own.
+Writes metrics.json and PNG plots of the acceptance per position and of the training loss.
 """
 
 from __future__ import annotations
@@ -106,30 +107,36 @@ def offline(
 
 
 def decode_all(
-    target, model, prompts, cfg: dict, stop: set[int], quiet: bool
-) -> tuple[dict, list[list[int]]]:
-    """Plain greedy and speculative decoding of every prompt: the metrics of each num_steps, and
-    the plain greedy outputs."""
+    target, model, prompts, cfg: dict, stop: set[int], quiet: bool, reference=None
+) -> dict:
+    """Speculative decoding of every prompt for each num_steps, its output checked against plain
+    greedy decoding: `reference` (the engine's greedy outputs, when it ran) or eaglet's own."""
     steps, max_new = cfg["num_steps"], cfg["max_new_tokens"]
-    progress = Progress("evaluate", len(prompts) * (1 + len(steps)), quiet=quiet, unit="run")
+    own_greedy = reference is None
+    runs_per_prompt = int(own_greedy) + len(steps)
+    progress = Progress("evaluate", len(prompts) * runs_per_prompt, quiet=quiet, unit="run")
     plain = []
     runs = {s: [] for s in steps}
     for p in prompts:
-        plain.append(speculative.greedy(target, p, max_new, stop))
-        progress.update(1, tokens=len(plain[-1].tokens))
+        if own_greedy:
+            plain.append(speculative.greedy(target, p, max_new, stop))
+            progress.update(1, tokens=len(plain[-1].tokens))
         for s in steps:
             runs[s].append(speculative.speculate(target, model, p, max_new, stop, s))
             progress.update(1, tokens=len(runs[s][-1].tokens))
     progress.close()
-    greedy_tps = sum(len(r.tokens) for r in plain) / sum(r.seconds for r in plain)
+    greedy_tps = None
+    if own_greedy:
+        reference = [r.tokens for r in plain]
+        greedy_tps = sum(len(r.tokens) for r in plain) / sum(r.seconds for r in plain)
     out = {}
     for s, results in runs.items():
         m = speculative.acceptance(results, s)
-        same = [r.tokens == g.tokens for r, g in zip(results, plain, strict=True)]
+        same = [r.tokens == g for r, g in zip(results, reference, strict=True)]
         tps = m["generated_tokens"] / sum(r.seconds for r in results)
         m.update(speculative.against_greedy(same, tps, greedy_tps))
         out[f"num_steps_{s}"] = m
-    return out, [r.tokens for r in plain]
+    return out
 
 
 def engine_export(params: Params, drafter: str) -> Path:
@@ -165,20 +172,25 @@ def engine_metrics(
     )  # fmt: skip
 
 
-def agreement(own: dict, engine: dict, plain: list[list[int]]) -> dict:
+def agreement(own: dict, engine: dict) -> dict:
     """How the engine's numbers agree with eaglet's: the same quantity (1 + accepted drafts /
-    verification rounds) on the same prompts, and whether both decoded the same greedy text."""
-    same = sum(a == b for a, b in zip(engine["greedy_outputs"], plain, strict=True))
-    out: dict = {"greedy_outputs_equal": same, "prompts": len(plain)}
+    verification rounds) on the same prompts, each checked against the engine's greedy text."""
+    out: dict = {}
     for name, m in own.items():
         ours, theirs = m["mean_acceptance_length"], engine[name]["acceptance_length"]
         diff = theirs - ours if ours is not None and theirs is not None else None
-        out[name] = {"engine": theirs, "eaglet": ours, "difference": diff}
+        out[name] = {
+            "engine": theirs,
+            "eaglet": ours,
+            "difference": diff,
+            "eaglet_greedy_equal": m["greedy_equal"],
+            "engine_greedy_equal": engine[name]["greedy_equal"],
+        }
     out["note"] = (
         "both = 1 + accepted drafts / verification rounds on the same held-out prompts "
-        f"(eaglet's own acceptance_length, tokens / rounds, also counts the prefill token); the "
-        f"engine's plain greedy output equals eaglet's on {same} of {len(plain)} prompts: "
-        "where they differ the two decode different text, and elsewhere the gap is the "
+        "(eaglet's own acceptance_length, tokens / rounds, also counts the prefill token); both "
+        "speculative outputs are compared with the engine's plain greedy output (greedy_equal): "
+        "where one differs the two decode different text, and elsewhere the gap is the "
         "drafter's bf16 export (eaglet decodes with the fp32 checkpoint) and the engine's kernels"
     )
     return out
@@ -260,16 +272,20 @@ def build(
             f"{d['heldout_fraction']} of {sum(len(r) for r in readers)} samples)"
         )
     t0 = time.monotonic()
-    own, plain = decode_all(target, model, prompts, cfg, stop, quiet)
+    engine = None
+    if cfg["engine"] == "vllm":  # first: its greedy outputs are the reference for eaglet's own
+        engine = engine_metrics(params, drafter, prompts, stop, threads)
+    reference = engine["greedy_outputs"] if engine else None
+    own = decode_all(target, model, prompts, cfg, stop, quiet, reference)
     metrics = {
         "drafter": drafter,
         "prompts": len(prompts),
+        "greedy_reference": "vllm" if engine else "eaglet",
         "speculative": own,
         "offline": offline(model, readers, held, target_model.lm_head.weight, cfg["num_steps"]),
     }
-    if cfg["engine"] == "vllm":
-        engine = engine_metrics(params, drafter, prompts, stop, threads)
-        metrics["agreement"] = agreement(own, engine, plain)
+    if engine:
+        metrics["agreement"] = agreement(own, engine)
         metrics["engine"] = {k: v for k, v in engine.items() if k != "greedy_outputs"}
     metrics["elapsed_s"] = round(time.monotonic() - t0, 2)
     with open(trained / "metrics.csv", newline="") as f:

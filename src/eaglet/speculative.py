@@ -160,12 +160,13 @@ def acceptance(results: list[Decoded], num_steps: int) -> dict:
     }
 
 
-def against_greedy(same: list[bool], tps: float, greedy_tps: float) -> dict:
-    """How a speculative run compares with plain greedy decoding of the same prompts."""
+def against_greedy(same: list[bool], tps: float, greedy_tps: float | None) -> dict:
+    """How a speculative run compares with plain greedy decoding of the same prompts (its speed:
+    None when the greedy reference was decoded elsewhere)."""
     return {
         "greedy_equal": all(same),
         "greedy_mismatches": same.count(False),
         "tokens_per_s": round(tps, 2),
-        "greedy_tokens_per_s": round(greedy_tps, 2),
-        "speedup": round(tps / greedy_tps, 3),
+        "greedy_tokens_per_s": round(greedy_tps, 2) if greedy_tps else None,
+        "speedup": round(tps / greedy_tps, 3) if greedy_tps else None,
     }
