@@ -107,7 +107,13 @@ def offline(
 
 
 def decode_all(
-    target, model, prompts, cfg: dict, stop: set[int], quiet: bool, reference=None
+    target,
+    model,
+    prompts,
+    cfg: dict,
+    stop: set[int],
+    quiet: bool,
+    reference: list[list[int]] | None = None,
 ) -> dict:
     """Speculative decoding of every prompt for each num_steps, its output checked against plain
     greedy decoding: `reference` (the engine's greedy outputs, when it ran) or eaglet's own."""
@@ -259,11 +265,12 @@ def build(
     model = train.load(trained)
     spec = spec_of(params)
     target_model = load_model(spec, cfg["device"], cfg["dtype"])
-    stop = set(stop_ids(load_tokenizer(spec), target_model))
+    tokenizer = load_tokenizer(spec)
+    stop = set(stop_ids(tokenizer, target_model))
     model.to(next(target_model.parameters()).device)
     target = speculative.Target(target_model, list(model.cfg.aux_layer_ids))
     if "heldout_prompts" in cfg:
-        prompts = file_prompts(params, drafter, readers, load_tokenizer(spec))
+        prompts = file_prompts(params, drafter, readers, tokenizer)
     else:
         prompts = heldout_prompts(readers, held, cfg["prompts"])
     if not prompts:

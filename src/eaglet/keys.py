@@ -354,7 +354,7 @@ def _evaluate_slice(keys: Keys, drafter: str) -> tuple[dict, dict]:
     d = keys.params.drafter(drafter)
     evaluate = dict(d["evaluate"], device=device_type(d["evaluate"]["device"]))
     if "heldout_prompts" in evaluate:  # the file's bytes, not where it lies
-        file = evaluate.pop("heldout_prompts")
+        file = evaluate["heldout_prompts"]
         evaluate["heldout_prompts"] = {
             "sha256": _digest(keys.params, file["path"], f"drafters.{drafter}.evaluate"),
             "format": file["format"],
