@@ -154,16 +154,11 @@ def hidden(args, model) -> dict:
     }
 
 
-def training(args) -> dict | None:
-    params = load(args.params)
-    try:
-        readers = drafter_data.open_readers(params, "demo")
-    except EagletError as e:  # not built yet
-        print(f"# training skipped: the demo's hidden states are not built ({e})")
-        return None
-    d = params.drafter("demo")
-    hp = Keys(params).provenance("train", "demo")["params"]["train"]
-    hp |= {"heldout_fraction": d["heldout_fraction"]}
+def fit_args(params, drafter: str, readers: list) -> dict:
+    """train.fit's arguments as the drafter's train stage passes them (its hyperparameters,
+    the target's head), the draft vocab picked from `readers`."""
+    d = params.drafter(drafter)
+    hp = Keys(params).provenance("train", drafter)["params"]["train"]
     spec = spec_of(params)
     size = d["draft_vocab_size"]
     d2t, t2d = vocab.select(
@@ -173,18 +168,33 @@ def training(args) -> dict | None:
         load_config(spec), size, readers[0].manifest["aux_layer_ids"]["sglang"]
     )
     embed, lm_head = load_head(spec)
-    refs, _ = drafter_data.split(readers, d["heldout_fraction"])
+    return {
+        "readers": readers,
+        "cfg": cfg,
+        "embed": embed,
+        "lm_head": lm_head,
+        "d2t": d2t,
+        "t2d": t2d,
+        "hp": hp | {"heldout_fraction": d["heldout_fraction"]},
+    }
+
+
+def training(args) -> dict | None:
+    params = load(args.params)
+    try:
+        readers = drafter_data.open_readers(params, "demo")
+    except EagletError as e:  # not built yet
+        print(f"# training skipped: the demo's hidden states are not built ({e})")
+        return None
+    a = fit_args(params, "demo", readers)
+    hp, cfg = a.pop("hp"), a["cfg"]
+    refs, _ = drafter_data.split(readers, hp["heldout_fraction"])
     with tempfile.TemporaryDirectory() as tmp:
         st = train.fit(
-            readers,
-            cfg,
-            embed,
-            lm_head,
-            d2t,
-            t2d,
-            hp | {"max_steps": args.train_steps},
-            Path(tmp) / "d",
-            10**9,
+            **a,
+            hp=hp | {"max_steps": args.train_steps},
+            out=Path(tmp) / "d",
+            checkpoint_every=10**9,
             quiet=True,
         )
     batch, width = hp["batch_size"], mean_length(readers, refs)
@@ -193,7 +203,7 @@ def training(args) -> dict | None:
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
     aux = torch.randn(batch, width, 3, cfg.target_hidden_size)
     ids = torch.randint(0, cfg.vocab_size, (batch, width))
-    target = torch.randint(0, size, (batch, width))
+    target = torch.randint(0, cfg.draft_vocab_size, (batch, width))
     steps = hp["ttt_length"]
 
     def step():
