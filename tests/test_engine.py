@@ -177,7 +177,7 @@ def tiny_target(tiny_drafter, tmp_path_factory) -> tuple[Path, list[list[int]], 
     prompts = [s["input_ids"][:8].tolist() for s in data["samples"][:6]]
     drafter = train.load(folder)
     target = speculative.Target(target_model, list(drafter.cfg.aux_layer_ids))
-    runs = [speculative.speculate(target, drafter, p, 24, {2}, 3) for p in prompts]
+    runs = speculative.decode(target, prompts, 24, {2}, drafter, 3)
     return path, prompts, speculative.acceptance(runs, 3) | {"tokens": [r.tokens for r in runs]}
 
 

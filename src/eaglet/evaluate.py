@@ -121,25 +121,26 @@ def decode_all(
     own_greedy = reference is None
     runs_per_prompt = int(own_greedy) + len(steps)
     progress = Progress("evaluate", len(prompts) * runs_per_prompt, quiet=quiet, unit="run")
-    plain = []
-    runs = {s: [] for s in steps}
-    for p in prompts:
-        if own_greedy:
-            plain.append(speculative.greedy(target, p, max_new, stop))
-            progress.update(1, tokens=len(plain[-1].tokens))
-        for s in steps:
-            runs[s].append(speculative.speculate(target, model, p, max_new, stop, s))
-            progress.update(1, tokens=len(runs[s][-1].tokens))
+
+    def ended(r: speculative.Decoded) -> None:
+        progress.update(1, tokens=len(r.tokens))
+
+    seconds, runs = {}, {}
+    for s in ([0] if own_greedy else []) + steps:  # 0: plain greedy
+        t0 = time.perf_counter()
+        runs[s] = speculative.decode(target, prompts, max_new, stop, model if s else None, s, ended)
+        seconds[s] = time.perf_counter() - t0
     progress.close()
     greedy_tps = None
     if own_greedy:
+        plain = runs.pop(0)
         reference = [r.tokens for r in plain]
-        greedy_tps = sum(len(r.tokens) for r in plain) / sum(r.seconds for r in plain)
+        greedy_tps = sum(len(r.tokens) for r in plain) / seconds[0]
     out = {}
     for s, results in runs.items():
         m = speculative.acceptance(results, s)
         same = [r.tokens == g for r, g in zip(results, reference, strict=True)]
-        tps = m["generated_tokens"] / sum(r.seconds for r in results)
+        tps = m["generated_tokens"] / seconds[s]
         m.update(speculative.against_greedy(same, tps, greedy_tps))
         out[f"num_steps_{s}"] = m
     return out

@@ -1,17 +1,22 @@
-"""Greedy chain speculative decoding of a target with an EAGLE-3 drafter (batch 1), and the
-plain greedy decoding it must reproduce token for token.
+"""Greedy chain speculative decoding of a target with an EAGLE-3 drafter, and the plain greedy
+decoding it must reproduce token for token; every prompt of a call decodes in one batch.
 
 A round: the drafter proposes `num_steps` tokens in a chain from the last verified position;
 the target scores the current token and the proposals in one forward pass, keeps the longest
-prefix of proposals equal to its own argmax, and adds its next token (the bonus). Both caches
-roll back to the verified positions; the drafter then reads the target's features of the new
-positions (step-0 entries, as in training) and proposes again. Acceptance length, SGLang's
-definition: generated tokens / verification rounds, the bonus token included.
+prefix of proposals equal to its own argmax, and adds its next token (the bonus). The drafter
+then reads the target's features of the new positions (step-0 entries, as in training) and
+proposes again. Acceptance length, SGLang's definition: generated tokens / verification rounds,
+the bonus token included.
+
+Batching: the rows share one target KV cache that grows by `num_steps + 1` slots a round.
+Prompts are left-padded; a row's padding and its rejected proposals stay in the cache as slots
+its attention mask hides, and each row carries its own position ids, so every row computes what
+it would alone. A row leaves the batch when it ends. The drafter (a few ms a step) runs per row.
 """
 
 from __future__ import annotations
 
-import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -24,7 +29,6 @@ from eaglet.drafter import Drafter, KVCache
 class Decoded:
     tokens: list[int]
     accepted: list[int] = field(default_factory=list)  # per round: draft tokens kept
-    seconds: float = 0.0
 
     @property
     def rounds(self) -> int:
@@ -32,7 +36,7 @@ class Decoded:
 
 
 class Target:
-    """The target model stepping over a growing sequence, returning argmax ids and aux states."""
+    """The target model over a batch of sequences, returning argmax ids and aux states."""
 
     def __init__(self, model, aux_layer_ids: list[int]):
         from transformers import DynamicCache
@@ -44,10 +48,15 @@ class Target:
     def new_cache(self):
         return self.cache_type()
 
-    def forward(self, ids: list[int], cache, aux: bool = False) -> tuple[Tensor, Tensor | None]:
-        """Argmax next ids [T] after each of `ids`, and the aux states [1, T, 3, H] if asked."""
+    def forward(
+        self, ids: Tensor, pos: Tensor, mask: Tensor, cache, aux: bool = False
+    ) -> tuple[Tensor, Tensor | None]:
+        """Argmax next ids [B, T] after each of `ids` [B, T] at positions `pos` [B, T], seeing
+        the cache slots where `mask` [B, slots + T] holds; the aux states [B, T, K, H] if asked."""
         out = self.model(
-            input_ids=torch.tensor([ids], device=self.device),
+            input_ids=ids,
+            position_ids=pos,
+            attention_mask=mask.long(),
             past_key_values=cache,
             use_cache=True,
             output_hidden_states=aux,
@@ -55,14 +64,7 @@ class Target:
         states = None
         if aux:
             states = torch.stack([out.hidden_states[i] for i in self.index], dim=2)
-        return out.logits[0].argmax(-1), states
-
-
-def crop(cache, length: int) -> None:
-    """Keep the first `length` positions of a transformers cache."""
-    extra = cache.get_seq_length() - length
-    if extra > 0:
-        cache.crop(-extra)
+        return out.logits.argmax(-1), states
 
 
 def _done(tokens: list[int], new: int, max_new: int, stop: set[int]) -> bool:
@@ -78,67 +80,121 @@ def _finish(tokens: list[int], max_new: int, stop: set[int]) -> list[int]:
     return tokens[:max_new]
 
 
-@torch.inference_mode()
-def greedy(target: Target, prompt: list[int], max_new: int, stop: set[int]) -> Decoded:
-    """Plain greedy decoding, one target forward per token."""
-    t0 = time.perf_counter()
-    cache = target.new_cache()
-    nxt, _ = target.forward(prompt, cache)
-    tokens = [int(nxt[-1])]
-    while not _done(tokens, 1, max_new, stop):
-        nxt, _ = target.forward(tokens[-1:], cache)
-        tokens.append(int(nxt[-1]))
-    return Decoded(tokens, seconds=time.perf_counter() - t0)
+@dataclass
+class _Row:
+    """One prompt's decoding: its tokens, the positions the target verified, its drafter state."""
+
+    tokens: list[int]
+    verified: int  # the position of tokens[-1]
+    accepted: list[int] = field(default_factory=list)
+    cache: KVCache = field(default_factory=KVCache)  # the drafter's
+    last: Tensor | None = None  # the drafter's output state at the last verified position
+
+    def new(self) -> int:
+        return self.accepted[-1] + 1 if self.accepted else 1
 
 
-@torch.inference_mode()
-def speculate(
+BATCH = 16  # prompts decoded at once: the shared cache grows by num_steps + 1 slots a round
+
+
+def decode(
     target: Target,
-    drafter: Drafter,
-    prompt: list[int],
+    prompts: list[list[int]],
     max_new: int,
     stop: set[int],
+    drafter: Drafter | None = None,
+    num_steps: int = 0,
+    ended: Callable[[Decoded], None] | None = None,
+) -> list[Decoded]:
+    """Greedy decoding of every prompt, BATCH at a time: plain without a drafter, else chain
+    speculative with `num_steps` drafts a round. `ended` is called as each prompt ends."""
+    out: list[Decoded] = []
+    for i in range(0, len(prompts), BATCH):
+        out += _batch(target, prompts[i : i + BATCH], max_new, stop, drafter, num_steps, ended)
+    return out
+
+
+@torch.inference_mode()
+def _batch(
+    target: Target,
+    prompts: list[list[int]],
+    max_new: int,
+    stop: set[int],
+    drafter: Drafter | None,
     num_steps: int,
-) -> Decoded:
-    """Greedy chain speculative decoding; returns the tokens and the acceptance per round."""
-    t0 = time.perf_counter()
+    ended: Callable[[Decoded], None] | None,
+) -> list[Decoded]:
+    """Decode the prompts as one batch (the module docstring says how)."""
     dev = target.device
-    tcache, dcache = target.new_cache(), KVCache()
-    nxt, aux = target.forward(prompt, tcache, aux=True)
-    tokens = [int(nxt[-1])]
-    # step-0 entries: at position s the drafter reads the target's features of s and token s+1
-    ids_next = [*prompt[1:], tokens[-1]]
-    pos = torch.arange(len(prompt), device=dev)
-    feats = drafter.features(aux.to(drafter.fc.weight.dtype))
-    h = drafter.step(feats, _ids(ids_next, dev), pos, dcache)
-    verified = len(prompt)  # positions both caches hold; tokens[-1] sits at this position
-    accepted: list[int] = []
-    while not _done(tokens, accepted[-1] + 1 if accepted else 1, max_new, stop):
-        last, drafts = h[:, -1:], []
-        for k in range(num_steps):  # the chain: position verified-1+k reads draft k-1
-            draft = drafter.to_target(drafter.logits(last).argmax(-1))
-            drafts.append(int(draft))
-            if k + 1 < num_steps:
-                p = torch.tensor([verified + k], device=dev)
-                last = drafter.step(last, draft, p, dcache)
-        nxt, aux = target.forward([tokens[-1], *drafts], tcache, aux=True)
-        n = 0
-        while n < num_steps and drafts[n] == int(nxt[n]):
-            n += 1
-        accepted.append(n)
-        new = [*drafts[:n], int(nxt[n])]
-        crop(tcache, verified + n + 1)
-        dcache.crop(verified)
-        pos = torch.arange(verified, verified + n + 1, device=dev)
-        feats = drafter.features(aux[:, : n + 1].to(drafter.fc.weight.dtype))
-        h = drafter.step(feats, _ids(new, dev), pos, dcache)
-        verified += n + 1
-        tokens += new
-    return Decoded(_finish(tokens, max_new, stop), accepted, time.perf_counter() - t0)
+    width = max(len(p) for p in prompts)
+    pad = torch.tensor([width - len(p) for p in prompts], device=dev)
+    slots = torch.arange(width, device=dev)
+    ids = torch.tensor([[p[0]] * (width - len(p)) + p for p in prompts], device=dev)
+    mask = slots >= pad[:, None]
+    cache = target.new_cache()
+    nxt, aux = target.forward(
+        ids, (slots - pad[:, None]).clamp(min=0), mask, cache, drafter is not None
+    )
+    rows = [_Row([int(nxt[i, -1])], len(p)) for i, p in enumerate(prompts)]
+    for i, (row, p) in enumerate(zip(rows, prompts, strict=True)):
+        if drafter is not None:  # step-0 entries: position s reads the features of s, token s+1
+            feats = drafter.features(aux[i : i + 1, width - len(p) :].to(drafter.fc.weight.dtype))
+            ids_next = torch.tensor([[*p[1:], row.tokens[-1]]], device=dev)
+            h = drafter.step(feats, ids_next, torch.arange(len(p), device=dev), row.cache)
+            row.last = h[:, -1:]
+    live = list(range(len(rows)))  # rows still decoding, in the cache's batch order
+    while True:
+        keep = [
+            j for j, i in enumerate(live) if not _done(rows[i].tokens, rows[i].new(), max_new, stop)
+        ]
+        for j in sorted(set(range(len(live))) - set(keep)):
+            if ended is not None:
+                ended(Decoded(_finish(rows[live[j]].tokens, max_new, stop), rows[live[j]].accepted))
+        if not keep:
+            break
+        if len(keep) < len(live):
+            index = torch.tensor(keep, device=dev)
+            cache.batch_select_indices(index)
+            mask = mask[index]
+            live = [live[j] for j in keep]
+        drafts = [_chain(drafter, rows[i], num_steps, dev) if drafter else [] for i in live]
+        ids = torch.tensor(
+            [[rows[i].tokens[-1], *d] for i, d in zip(live, drafts, strict=True)], device=dev
+        )
+        span = torch.arange(num_steps + 1, device=dev)
+        pos = torch.tensor([rows[i].verified for i in live], device=dev)[:, None] + span
+        past = mask.shape[1]
+        mask = torch.cat([mask, torch.ones_like(ids, dtype=torch.bool)], dim=1)
+        nxt, aux = target.forward(ids, pos, mask, cache, drafter is not None)
+        for j, (i, d) in enumerate(zip(live, drafts, strict=True)):
+            row, n = rows[i], 0
+            while n < num_steps and d[n] == int(nxt[j, n]):
+                n += 1
+            mask[j, past + n + 1 :] = False  # the rejected proposals' slots
+            new = [*d[:n], int(nxt[j, n])]
+            if drafter is not None:
+                row.cache.crop(row.verified)
+                p = torch.arange(row.verified, row.verified + n + 1, device=dev)
+                feats = drafter.features(aux[j : j + 1, : n + 1].to(drafter.fc.weight.dtype))
+                row.last = drafter.step(feats, torch.tensor([new], device=dev), p, row.cache)[
+                    :, -1:
+                ]
+            row.accepted.append(n)
+            row.verified += n + 1
+            row.tokens += new
+    return [Decoded(_finish(r.tokens, max_new, stop), r.accepted) for r in rows]
 
 
-def _ids(ids: list[int], device) -> Tensor:
-    return torch.tensor([ids], device=device)
+def _chain(drafter: Drafter, row: _Row, num_steps: int, dev) -> list[int]:
+    """The drafter's chain of `num_steps` proposals from the row's last verified position."""
+    last, drafts = row.last, []
+    for k in range(num_steps):  # position verified - 1 + k reads draft k - 1
+        draft = drafter.to_target(drafter.logits(last).argmax(-1))
+        drafts.append(int(draft))
+        if k + 1 < num_steps:
+            p = torch.tensor([row.verified + k], device=dev)
+            last = drafter.step(last, draft, p, row.cache)
+    return drafts
 
 
 def acceptance(results: list[Decoded], num_steps: int) -> dict:
