@@ -136,22 +136,25 @@ def _batch(
         ids, (slots - pad[:, None]).clamp(min=0), mask, cache, drafter is not None
     )
     rows = [_Row([int(nxt[i, -1])], len(p)) for i, p in enumerate(prompts)]
-    for i, (row, p) in enumerate(zip(rows, prompts, strict=True)):
-        if drafter is not None:  # step-0 entries: position s reads the features of s, token s+1
+    if drafter is not None:  # step-0 entries: position s reads the features of s and token s+1
+        for i, (row, p) in enumerate(zip(rows, prompts, strict=True)):
             feats = drafter.features(aux[i : i + 1, width - len(p) :].to(drafter.fc.weight.dtype))
             ids_next = torch.tensor([[*p[1:], row.tokens[-1]]], device=dev)
             h = drafter.step(feats, ids_next, torch.arange(len(p), device=dev), row.cache)
             row.last = h[:, -1:]
+    done: dict[int, Decoded] = {}  # the ended rows
     live = list(range(len(rows)))  # rows still decoding, in the cache's batch order
     while True:
-        keep = [
-            j for j, i in enumerate(live) if not _done(rows[i].tokens, rows[i].new(), max_new, stop)
-        ]
-        for j in sorted(set(range(len(live))) - set(keep)):
+        keep = []
+        for j, i in enumerate(live):
+            if not _done(rows[i].tokens, rows[i].new(), max_new, stop):
+                keep.append(j)
+                continue
+            done[i] = Decoded(_finish(rows[i].tokens, max_new, stop), rows[i].accepted)
             if ended is not None:
-                ended(Decoded(_finish(rows[live[j]].tokens, max_new, stop), rows[live[j]].accepted))
+                ended(done[i])
         if not keep:
-            break
+            return [done[i] for i in range(len(rows))]
         if len(keep) < len(live):
             index = torch.tensor(keep, device=dev)
             cache.batch_select_indices(index)
@@ -176,13 +179,11 @@ def _batch(
                 row.cache.crop(row.verified)
                 p = torch.arange(row.verified, row.verified + n + 1, device=dev)
                 feats = drafter.features(aux[j : j + 1, : n + 1].to(drafter.fc.weight.dtype))
-                row.last = drafter.step(feats, torch.tensor([new], device=dev), p, row.cache)[
-                    :, -1:
-                ]
+                h = drafter.step(feats, torch.tensor([new], device=dev), p, row.cache)
+                row.last = h[:, -1:]
             row.accepted.append(n)
             row.verified += n + 1
             row.tokens += new
-    return [Decoded(_finish(r.tokens, max_new, stop), r.accepted) for r in rows]
 
 
 def _chain(drafter: Drafter, row: _Row, num_steps: int, dev) -> list[int]:
