@@ -1,0 +1,112 @@
+"""Docs that stay true: every `eaglet ...` command quoted in README.md and docs/ names a real
+subcommand and real flags, and every relative link or repository path they name exists."""
+
+from __future__ import annotations
+
+import argparse
+import re
+import shlex
+from pathlib import Path
+
+import pytest
+
+from eaglet.cli import parser
+
+ROOT = Path(__file__).resolve().parent.parent
+PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("**/*.md"))]
+COMMAND = re.compile(r"(?:^\s*|/|[$&|;]\s*)eaglet\s+([a-z][a-z-]*)(?=\s|$)([^#\n]*)")
+SPAN = re.compile(r"`([^`]*)`")
+LINK = re.compile(r"\]\(([^)\s]+)\)")
+CODE_PATH = re.compile(r"`([A-Za-z0-9_.\-/]+)`")
+TOP = ("src/", "tests/", "benchmarks/", "examples/", "rules/", "docs/", "profiles/", "envs/")
+FILE_ARG = re.compile(r"(?:--params|--target-config|--overlay|params=|overlay=)[\s=]*([\w./-]+)")
+PLACEHOLDER = re.compile(r"[<>{}*$]|\.\.\.")
+
+
+def _subcommands() -> dict[str, argparse.ArgumentParser]:
+    sub = next(a for a in parser()._actions if isinstance(a, argparse._SubParsersAction))
+    return dict(sub.choices)
+
+
+def code(text: str) -> list[tuple[int, str]]:
+    """The code in a Markdown page, by line: fenced or indented blocks whole, else inline spans."""
+    out, fenced = [], False
+    for n, line in enumerate(text.splitlines(), 1):
+        if line.lstrip().startswith("```"):
+            fenced = not fenced
+        elif fenced or line.startswith("    "):
+            out.append((n, line))
+        else:
+            out += [(n, span) for span in SPAN.findall(line)]
+    return out
+
+
+def command_errors(text: str, where: str) -> list[str]:
+    """Each `eaglet SUB --flag ...` in the code of `text` whose subcommand or flag is gone."""
+    subs, errors = _subcommands(), []
+    for n, line in code(text):
+        for m in COMMAND.finditer(line):
+            name, rest = m.group(1), m.group(2)
+            if name not in subs:
+                errors.append(f"{where}:{n}: 'eaglet {name}': no such subcommand")
+                continue
+            flags = subs[name]._option_string_actions
+            try:
+                words = shlex.split(rest.replace("[", " ").replace("]", " "), comments=True)
+            except ValueError:
+                words = rest.split()
+            for w in words:
+                flag = w.split("=", 1)[0]
+                if flag.startswith("--") and flag not in flags:
+                    errors.append(f"{where}:{n}: 'eaglet {name} {flag}': no such flag")
+    return errors
+
+
+def path_errors(text: str, page: Path, root: Path = ROOT) -> list[str]:
+    """Each relative link, or repository path in backticks, that names nothing in the checkout."""
+    errors = []
+    for n, line in enumerate(text.splitlines(), 1):
+        for target in LINK.findall(line):
+            target = target.split("#", 1)[0]
+            if not target or re.match(r"[a-z]+:", target):
+                continue
+            if not (page.parent / target).exists():
+                errors.append(f"{page.name}:{n}: link '{target}' names nothing")
+        for p in CODE_PATH.findall(line):
+            if p.startswith(TOP) and not PLACEHOLDER.search(p) and not (root / p).exists():
+                errors.append(f"{page.name}:{n}: path '{p}' names nothing")
+    for n, line in code(text):
+        for p in FILE_ARG.findall(line):
+            if not PLACEHOLDER.search(p) and p[:1].islower() and not (root / p).exists():
+                errors.append(f"{page.name}:{n}: file '{p}' names nothing")
+    return errors
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda p: str(p.relative_to(ROOT)))
+def test_commands_exist(page: Path) -> None:
+    assert command_errors(page.read_text(), page.name) == []
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda p: str(p.relative_to(ROOT)))
+def test_paths_exist(page: Path) -> None:
+    assert path_errors(page.read_text(), page) == []
+
+
+def test_the_checks_catch_what_disappears(tmp_path: Path) -> None:
+    page = tmp_path / "page.md"
+    text = (
+        "    eaglet generate DATASET --threads 2 --no-such-flag\n"
+        "    .venv/bin/eaglet frobnicate x\n"
+        "    eaglet plan --params examples/kimi-k2.5.params.yaml --json   # fine\n"
+        "    snakemake --cores 2 --config params=params.nowhere.yaml\n"
+        "See [it](docs/nowhere.md) and `src/eaglet/nowhere.py`; `src/eaglet/cli.py` is real.\n"
+    )
+    assert command_errors(text, "page.md") == [
+        "page.md:1: 'eaglet generate --no-such-flag': no such flag",
+        "page.md:2: 'eaglet frobnicate': no such subcommand",
+    ]
+    assert path_errors(text, page) == [
+        "page.md:5: link 'docs/nowhere.md' names nothing",
+        "page.md:5: path 'src/eaglet/nowhere.py' names nothing",
+        "page.md:4: file 'params.nowhere.yaml' names nothing",
+    ]
