@@ -166,6 +166,8 @@ def engine_metrics(
     spec = spec_of(params)
     serve = ServeConfig(
         model=materialize(spec),
+        revision=spec.revision,
+        trust_remote_code=spec.trust_remote_code,
         served_name=spec.name,
         dtype=cfg["dtype"],
         max_model_len=params.target["max_length"],

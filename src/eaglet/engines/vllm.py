@@ -87,6 +87,8 @@ class ServeConfig:
     seed: int = 0
     speculative: dict | None = None  # --speculative-config
     kv_transfer: dict | None = None  # --kv-transfer-config
+    revision: str | None = None  # a hub target's pinned commit
+    trust_remote_code: bool = False  # target.trust_remote_code
     extra_args: tuple[str, ...] = field(default_factory=tuple)
 
     def argv(self, port: int) -> list[str]:
@@ -107,6 +109,10 @@ class ServeConfig:
             args += ["--tensor-parallel-size", str(self.tensor_parallel_size)]
         if self.enforce_eager:
             args.append("--enforce-eager")
+        if self.revision:
+            args += ["--revision", self.revision, "--tokenizer-revision", self.revision]
+        if self.trust_remote_code:
+            args.append("--trust-remote-code")
         if self.speculative is not None:
             args += ["--speculative-config", json.dumps(self.speculative, separators=(",", ":"))]
         if self.kv_transfer is not None:
@@ -403,6 +409,8 @@ def serve_config(spec: TargetSpec, cfg: dict, max_length: int, threads: int | No
     """The managed server of a `kind: vllm` backend."""
     return ServeConfig(
         model=materialize(spec),
+        revision=spec.revision,
+        trust_remote_code=spec.trust_remote_code,
         served_name=spec.name,
         dtype=resolve_dtype(cfg["dtype"], "auto"),
         max_model_len=cfg.get("max_model_len") or max_length,
@@ -592,6 +600,8 @@ class VLLMHidden:
                 }
             serve = ServeConfig(
                 model=materialize(spec),
+                revision=spec.revision,
+                trust_remote_code=spec.trust_remote_code,
                 dtype=dtype,
                 max_model_len=max_len + 1,
                 max_num_seqs=cfg["concurrency"],
