@@ -65,7 +65,10 @@ def file_prompts(params: Params, drafter: str, readers: list, tokenizer: Any) ->
                 f"{source}:{rec['source']['line']}: also a prompt of the drafter's datasets "
                 f"(drafters.{drafter}.datasets), so not held out"
             )
-    return [prompt_ids(tokenizer, r["messages"]) for r in records[: d["evaluate"]["prompts"]]]
+    return [
+        prompt_ids(tokenizer, r["messages"], r.get("tools"))
+        for r in records[: d["evaluate"]["prompts"]]
+    ]
 
 
 @torch.no_grad()

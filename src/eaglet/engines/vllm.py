@@ -477,7 +477,7 @@ class VLLMBackend:
         s = request["sampling"]
         body: dict[str, Any] = {
             "model": self.model,
-            "prompt": prompt_ids(self.tokenizer, request["messages"]),
+            "prompt": prompt_ids(self.tokenizer, request["messages"], request.get("tools")),
             "max_tokens": s["max_new_tokens"],
             "temperature": s["temperature"],
             "top_p": s["top_p"],
