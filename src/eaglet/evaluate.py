@@ -26,7 +26,7 @@ from eaglet import drafter_data, engine_eval, speculative, train
 from eaglet.atomic import atomic_path
 from eaglet.chat import prompt_ids, stop_ids
 from eaglet.drafter import Drafter
-from eaglet.engines.vllm import ServeConfig
+from eaglet.engines.vllm import ServeConfig, multimodal
 from eaglet.errors import EagletError
 from eaglet.io import write_json
 from eaglet.keys import Keys, sidecar_of
@@ -171,6 +171,7 @@ def engine_metrics(
         model=materialize(spec),
         revision=spec.revision,
         trust_remote_code=spec.trust_remote_code,
+        language_model_only=multimodal(spec),
         served_name=spec.name,
         dtype=cfg["dtype"],
         max_model_len=params.target["max_length"],

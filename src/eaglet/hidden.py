@@ -212,10 +212,10 @@ def build(
     prov = keys.provenance("hidden", dataset)
     out = Path(out) if out else keys.path("hidden", dataset)
     h = params.data["hidden"]
-    source, records = _responses(keys, dataset)
     t_load = time.monotonic()
-    target = Target(params, keys, dataset)
+    target = Target(params, keys, dataset)  # first: a target eaglet cannot read stops here
     load_s = time.monotonic() - t_load
+    source, records = _responses(keys, dataset)
     ids = layer_ids(params, target.config.num_hidden_layers)
     samples, stats = sequences(records, target, source)
     if not samples:
