@@ -53,7 +53,7 @@ TEXT = {
     "initializer_range": 0.02,
     "intermediate_size": 96,  # 18432, the dense MLP of the first layer
     "kv_lora_rank": 512,  # 512: Kimi's own (vLLM's CPU MLA kernel runs 512 + 64 only)
-    "max_position_embeddings": 512,  # 262144
+    "max_position_embeddings": 1024,  # 262144 (= factor x original, as in K2.5)
     "model_type": "deepseek_v3",
     "moe_intermediate_size": 32,  # 2048
     "moe_layer_freq": 1,
@@ -74,7 +74,7 @@ TEXT = {
     "rms_norm_eps": 1e-5,
     "rope_scaling": {
         "type": "yarn",
-        "factor": 8.0,  # 64
+        "factor": 16.0,  # 64
         "beta_fast": 32.0,
         "beta_slow": 1.0,
         "mscale": 1.0,
