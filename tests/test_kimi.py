@@ -232,6 +232,14 @@ def _project(project, kimi, trust: bool) -> list[str]:
         "generation": {"backend": "local", "max_new_tokens": 6},
         "datasets": {"a1": {"path": "a1.jsonl", "format": "auto"}},
         "hidden": {"compute_dtype": "float32", "dtype": "float32", "threads": 2},
+        "drafters": {
+            "k": {
+                "datasets": ["a1"],
+                "draft_vocab_size": 32,
+                "heldout_fraction": 0.01,
+                "train": {"ttt_length": 1, "epochs": 1, "batch_size": 1},
+            }
+        },
     }
     return ["--params", str(write_params(project, data))]
 
@@ -246,7 +254,7 @@ def test_trust_off_stops_before_anything_is_written(kimi, project, capsys):
         assert not keys.path("responses" if stage == "generate" else "hidden", "a1").exists()
 
 
-def test_trust_on_the_chain_keeps_the_targets_ids(kimi, project):
+def test_trust_on_the_chain_keeps_the_targets_ids(kimi, project, capsys):
     """prompts (tools kept), generate, hidden: `<think>` is one id in the stored samples."""
     args = _project(project, kimi, trust=True)
     for stage in ("prompts", "generate", "hidden"):
@@ -271,6 +279,31 @@ def test_trust_on_the_chain_keeps_the_targets_ids(kimi, project):
         assert s["loss_mask"].tolist() == [False] * len(prompt) + [True] * len(rec["output_ids"])
     agent = reader.get(tools[0]["id"])["input_ids"].tolist()
     assert THINK in agent and agent.count(THINK) == agent.count(THINK + 1)
+
+    # the target's own (greedy) answers: training supervises their positions
+    assert main(["vocab", "k", *args]) == 0 and main(["train", "k", "--quiet", *args]) == 0
+    share = read_json(sidecar_of(keys.path("train", "k")))["stats"]["supervised_share"]["a1"]
+    assert share["share"] >= 0.9 and share["samples"] == 2
+    assert main(["status", *args]) == 0
+    assert f"supervised a1 {share['share']:.2f}" in capsys.readouterr().out
+
+
+def test_training_on_answers_that_are_not_the_targets_stops_naming_the_dataset(
+    kimi, project, capsys
+):
+    """Answers written elsewhere (an API's text, not this target's): the target does not
+    predict them, the supervised share is low, and the train stage stops before training."""
+    args = _project(project, kimi, trust=True)
+    assert main(["prompts", "a1", *args]) == 0
+    keys = Keys(load(args[1]))
+    _responses(keys)
+    for cmd in (["hidden", "a1", "--quiet"], ["vocab", "k"]):
+        assert main([*cmd, *args]) == 0
+    capsys.readouterr()
+    assert main(["train", "k", "--quiet", *args]) == 2
+    err = capsys.readouterr().err
+    assert "dataset 'a1'" in err and "below train.min_supervised_share 0.5" in err
+    assert not keys.path("train", "k").exists()
 
 
 @pytest.mark.slow
@@ -335,7 +368,7 @@ def test_params_file_of_the_example_trusts_a_pinned_revision():
     assert len(example["target"]["revision"]) == 40
 
 
-def _responses(keys, tok) -> list[dict]:
+def _responses(keys) -> list[dict]:
     """Answers as an API writes them (text, reasoning, tool calls; no ids): the template path."""
     from eaglet.io import read_jsonl, write_jsonl_zst
     from eaglet.records import response_record
@@ -370,7 +403,7 @@ def test_vllm_states_equal_the_transformers_backend_on_the_miniature(kimi, proje
     params = load(args[1])
     keys = Keys(params)
     tok = load_tokenizer(resolve(str(project / "target"), trust=True))
-    records = _responses(keys, tok)
+    records = _responses(keys)
     ref = HiddenReader(hidden.build(params, "a1", quiet=True))
     data = yaml.safe_load(Path(args[1]).read_text())
     spool = project / "spool"
@@ -394,3 +427,38 @@ def test_vllm_states_equal_the_transformers_backend_on_the_miniature(kimi, proje
             x, y = a[name].flatten(0, -2), b[name].flatten(0, -2)
             worst = max(worst, float(((x - y).norm(dim=-1) / x.norm(dim=-1)).max()))
     assert worst < 1e-3  # fp32, per token relative L2; measured: see docs/targets.md
+
+
+@pytest.mark.engine
+def test_an_engine_that_drops_the_final_layer_is_stopped_by_the_probe(kimi, tmp_path):
+    """An operator's engine whose connector drops id N (vLLM before PR #46973 on DeepSeek-family
+    models): the hidden stage's probe stops it, naming the vLLM version that captures it."""
+    from eaglet.engines.vllm import Engine, ServeConfig, VLLMHidden
+
+    spool = tmp_path / "spool"
+    spool.mkdir()
+    serve = ServeConfig(
+        model=str(kimi),
+        trust_remote_code=True,
+        language_model_only=True,
+        max_model_len=64,
+        max_num_seqs=1,
+        threads=2,
+        speculative={
+            "method": "extract_hidden_states",
+            "num_speculative_tokens": 1,
+            "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": [2, 4, 5, 8]}},
+        },
+        kv_transfer={
+            "kv_connector": "DropFinalLayer",
+            "kv_connector_module_path": "tests.old_vllm_connector",
+            "kv_role": "kv_producer",
+            "kv_connector_extra_config": {"shared_storage_path": str(spool)},
+        },
+    )
+    cfg = {"url": None, "spool": str(spool), "model": "target", "concurrency": 1}
+    cfg |= {"timeout_s": 120, "max_retries": 0, "backoff_s": 1.0, "backoff_max_s": 1.0}
+    with Engine(serve, log=tmp_path / "vllm.log") as engine:
+        cfg["url"] = engine.url
+        with pytest.raises(EagletError, match=r"returned 3 hidden layers .* 0\.32\.0 .*#46973"):
+            VLLMHidden(resolve(str(kimi), trust=True), cfg, [1, 3, 4], 8, "float32", 64)
