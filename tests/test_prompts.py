@@ -65,7 +65,7 @@ def test_every_schema_gives_its_prompt_count(tmp_path, fmt):
         assert len(recs) == good == stats["kept"]
         assert stats["bad_rows"] == bad and all(e["line"] >= 1 for e in stats["bad_examples"])
         for r in recs:
-            assert r["id"] == prompt_id(r["messages"]) and r["dataset"] == "d"
+            assert r["id"] == prompt_id(r["messages"], r.get("tools")) and r["dataset"] == "d"
             assert r["messages"][-1]["role"] != "assistant"
             assert r["source"] == {"line": r["source"]["line"]} and r["source"]["line"] >= 1
 
@@ -75,10 +75,10 @@ def test_ids_are_content_hashes_stable_across_processes(tmp_path):
     outs, _ = run_stage(tmp_path, {"d": {"path": str(src), "format": "sharegpt"}})
     ids = [r["id"] for r in read_jsonl(outs["d"])]
     code = (
-        "from eaglet.formats import prompt_of, to_messages; from eaglet.readers import iter_rows;"
-        "from eaglet.records import prompt_id\n"
+        "from eaglet.formats import prompt_of, to_messages, tools_of;"
+        "from eaglet.readers import iter_rows; from eaglet.records import prompt_id\n"
         f"for _, row, err in iter_rows({str(src)!r}):\n"
-        "    try: print(prompt_id(prompt_of(to_messages(row, 'sharegpt'))))\n"
+        "    try: print(prompt_id(prompt_of(to_messages(row, 'sharegpt')), tools_of(row)))\n"
         "    except Exception: pass"
     )
     other = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)

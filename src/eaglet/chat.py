@@ -5,9 +5,20 @@ from __future__ import annotations
 from typing import Any
 
 
-def prompt_ids(tokenizer: Any, messages: list[dict]) -> list[int]:
+def render(
+    tokenizer: Any, messages: list[dict], tools: list[dict] | None = None, prompt: bool = False
+) -> str:
+    """The conversation as the target's own template (and tokenizer class) writes it, with the
+    row's tool declarations; `prompt`: ending with the generation prompt."""
+    kw: dict[str, Any] = {"tools": tools} if tools else {}
+    return tokenizer.apply_chat_template(
+        messages, add_generation_prompt=prompt, tokenize=False, **kw
+    )
+
+
+def prompt_ids(tokenizer: Any, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
     """Token ids of the prompt rendered with the generation prompt, as the target sees it."""
-    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    text = render(tokenizer, messages, tools, prompt=True)
     return tokenizer(text, add_special_tokens=False)["input_ids"]
 
 
@@ -28,6 +39,8 @@ def assistant_turn(
     reasoning: str | None = None,
     stop: list[int] | tuple[int, ...] = (),
     finished: bool = True,
+    tools: list[dict] | None = None,
+    tool_calls: list[dict] | None = None,
 ) -> tuple[list[int], list[int], bool]:
     """(prompt ids, turn ids, reasoning rendered) of `messages` + an assistant reply, by template.
 
@@ -35,15 +48,18 @@ def assistant_turn(
     tokenized on its own (as the target generated it after the prompt), up to and including the
     last stop token; template text after that token is dropped, and an unfinished reply (cut by
     length) also drops the stop token it never produced. `reasoning` goes in as the message's
-    `reasoning_content`, which reasoning templates (e.g. `<think>`) render and others ignore.
+    `reasoning_content`, which reasoning templates (e.g. `<think>`) render and others ignore;
+    `tool_calls` (OpenAI shape) are the reply's own calls, rendered by the template as well.
     """
     from eaglet.errors import EagletError
 
     reply: dict[str, Any] = {"role": "assistant", "content": response}
     if reasoning:
         reply["reasoning_content"] = reasoning
-    prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-    full = tokenizer.apply_chat_template([*messages, reply], tokenize=False)
+    if tool_calls:
+        reply["tool_calls"] = tool_calls
+    prompt = render(tokenizer, messages, tools, prompt=True)
+    full = render(tokenizer, [*messages, reply], tools)
     if not full.startswith(prompt):
         at = next((i for i, (a, b) in enumerate(zip(prompt, full, strict=False)) if a != b), None)
         at = min(len(prompt), len(full)) if at is None else at

@@ -26,7 +26,7 @@ from eaglet import drafter_data, engine_eval, speculative, train
 from eaglet.atomic import atomic_path
 from eaglet.chat import prompt_ids, stop_ids
 from eaglet.drafter import Drafter
-from eaglet.engines.vllm import ServeConfig
+from eaglet.engines.vllm import ServeConfig, multimodal
 from eaglet.errors import EagletError
 from eaglet.io import write_json
 from eaglet.keys import Keys, sidecar_of
@@ -65,7 +65,10 @@ def file_prompts(params: Params, drafter: str, readers: list, tokenizer: Any) ->
                 f"{source}:{rec['source']['line']}: also a prompt of the drafter's datasets "
                 f"(drafters.{drafter}.datasets), so not held out"
             )
-    return [prompt_ids(tokenizer, r["messages"]) for r in records[: d["evaluate"]["prompts"]]]
+    return [
+        prompt_ids(tokenizer, r["messages"], r.get("tools"))
+        for r in records[: d["evaluate"]["prompts"]]
+    ]
 
 
 @torch.no_grad()
@@ -166,6 +169,9 @@ def engine_metrics(
     spec = spec_of(params)
     serve = ServeConfig(
         model=materialize(spec),
+        revision=spec.revision,
+        trust_remote_code=spec.trust_remote_code,
+        language_model_only=multimodal(spec),
         served_name=spec.name,
         dtype=cfg["dtype"],
         max_model_len=params.target["max_length"],

@@ -131,6 +131,23 @@ def prompt_of(messages: list[dict]) -> list[dict]:
     return prompt
 
 
+def tools_of(row: dict) -> list[dict] | None:
+    """The row's tool declarations (`tools`, a list or a JSON string of one), in OpenAI shape
+    `{"type": "function", "function": {name, description, parameters}}`; None when it has none."""
+    tools = _decoded(row.get("tools"))
+    if not tools:
+        return None
+    if not isinstance(tools, list):
+        raise BadRow(f"tools: expected a list, got {_type_name(tools)}")
+    out = []
+    for i, tool in enumerate(tools):
+        function = tool.get("function", tool) if isinstance(tool, dict) else None
+        if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+            raise BadRow(f"tools[{i}].name: missing")
+        out.append({"type": "function", "function": function})
+    return out
+
+
 # ---------------------------------------------------------------------------- field helpers
 
 

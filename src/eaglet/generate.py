@@ -203,6 +203,7 @@ class Dispatch:
                         "id": prompt["id"],
                         "key": key,
                         "messages": prompt["messages"],
+                        "tools": prompt.get("tools"),
                         "sampling": self.job.sampling,
                     }
                 )

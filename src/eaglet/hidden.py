@@ -85,7 +85,7 @@ def sequence(rec: dict, target: Target) -> tuple[dict | None, dict]:
     """Token ids and loss mask of one response record, or None and why it was skipped."""
     info: dict[str, Any] = {"source": "output_ids" if rec.get("output_ids") is not None else ""}
     if info["source"]:
-        prompt = prompt_ids(target.tokenizer, rec["messages"])
+        prompt = prompt_ids(target.tokenizer, rec["messages"], rec.get("tools"))
         turn = list(rec["output_ids"])
     else:
         info["source"] = "template"
@@ -96,6 +96,8 @@ def sequence(rec: dict, target: Target) -> tuple[dict | None, dict]:
             rec.get("reasoning"),
             target.stop,
             finished=rec.get("finish_reason") != "length",
+            tools=rec.get("tools"),
+            tool_calls=rec.get("tool_calls"),
         )
         info["reasoning_not_rendered"] = bool(rec.get("reasoning")) and not rendered
     if not turn:
@@ -210,10 +212,10 @@ def build(
     prov = keys.provenance("hidden", dataset)
     out = Path(out) if out else keys.path("hidden", dataset)
     h = params.data["hidden"]
-    source, records = _responses(keys, dataset)
     t_load = time.monotonic()
-    target = Target(params, keys, dataset)
+    target = Target(params, keys, dataset)  # first: a target eaglet cannot read stops here
     load_s = time.monotonic() - t_load
+    source, records = _responses(keys, dataset)
     ids = layer_ids(params, target.config.num_hidden_layers)
     samples, stats = sequences(records, target, source)
     if not samples:

@@ -30,6 +30,7 @@ from eaglet.params import Params
 from eaglet.target import TargetSpec, read_config, reference, spec_of, text_config
 
 KEY_LEN = 12
+NOT_IN_TRAIN_KEY = ("checkpoint_every", "device", "min_supervised_share")  # no output byte
 
 
 @dataclass(frozen=True)
@@ -87,6 +88,7 @@ PLUMBING = frozenset(
         "eaglet.publish",
         "eaglet.status",
         "eaglet.store",
+        "eaglet.supervised",  # a check before training: stops or passes, writes nothing
     }
 )
 
@@ -333,7 +335,7 @@ def _vocab_slice(keys: Keys, drafter: str) -> tuple[dict, dict]:
 
 def _train_slice(keys: Keys, drafter: str) -> tuple[dict, dict]:
     p, d = keys.params, keys.params.drafter(drafter)
-    train = {k: v for k, v in d["train"].items() if k not in ("checkpoint_every", "device")}
+    train = {k: v for k, v in d["train"].items() if k not in NOT_IN_TRAIN_KEY}
     train["max_length"] = train.get("max_length") or max(map(p.max_length, d["datasets"]))
     train["device"] = device_type(d["train"]["device"])
     train["dtype"] = resolve_dtype(d["train"]["dtype"], d["train"]["device"])

@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 
 from eaglet.errors import EagletError
-from eaglet.formats import BadRow, prompt_of, to_messages
+from eaglet.formats import BadRow, prompt_of, to_messages, tools_of
 from eaglet.io import write_json, write_jsonl_zst
 from eaglet.keys import Keys, sidecar_of
 from eaglet.params import Params
@@ -32,10 +32,11 @@ def collect(source: Path, fmt: str, dataset: str) -> tuple[list[dict], dict]:
             if error is not None:
                 raise BadRow(error)
             messages = prompt_of(to_messages(row, fmt))
+            tools = tools_of(row)
         except BadRow as e:
             bad.append({"line": line, "reason": str(e)})
             continue
-        records.append(prompt_record(dataset, messages, line))
+        records.append(prompt_record(dataset, messages, line, tools))
     if not records:
         first = f" (first: line {bad[0]['line']}: {bad[0]['reason']})" if bad else ""
         raise EagletError(f"{source}: no valid prompt in {rows} rows{first}")
@@ -55,7 +56,7 @@ def select(
     for pid in order:
         if max_samples is not None and len(kept) >= max_samples:
             break
-        if too_long is not None and too_long(unique[pid]["messages"]):
+        if too_long is not None and too_long(unique[pid]):
             dropped_long += 1
             continue
         kept.append(unique[pid])
@@ -83,8 +84,8 @@ def build(params: Params, dataset: str, out: Path | None = None) -> Path:
 
         tok = load_tokenizer(spec_of(params))
 
-        def too_long(messages: list[dict]) -> bool:
-            return len(prompt_ids(tok, messages)) > limit
+        def too_long(rec: dict) -> bool:
+            return len(prompt_ids(tok, rec["messages"], rec.get("tools"))) > limit
 
     kept, more = select(records, prov["params"]["seed"], prov["params"]["max_samples"], too_long)
     stats.update(more)

@@ -26,20 +26,22 @@ RESPONSE_FIELDS = (
 )
 
 
-def prompt_id(messages: list[dict]) -> str:
-    """Content hash of the canonical messages: the same prompt has the same id in every dataset."""
-    return hashlib.sha256(dumps(messages).encode("utf-8")).hexdigest()[:ID_LEN]
+def prompt_id(messages: list[dict], tools: list[dict] | None = None) -> str:
+    """Content hash of the canonical messages (and tool declarations, when the row has them):
+    the same prompt has the same id in every dataset."""
+    content: object = {"messages": messages, "tools": tools} if tools else messages
+    return hashlib.sha256(dumps(content).encode("utf-8")).hexdigest()[:ID_LEN]
 
 
-def prompt_record(dataset: str, messages: list[dict], line: int) -> dict:
-    """A prompt and the line of the source file it came from (the file is keyed by its bytes,
-    not its name, so the name is not recorded)."""
-    return {
-        "id": prompt_id(messages),
-        "dataset": dataset,
-        "messages": messages,
-        "source": {"line": line},
-    }
+def prompt_record(
+    dataset: str, messages: list[dict], line: int, tools: list[dict] | None = None
+) -> dict:
+    """A prompt, its tool declarations (only when it has some), and the line of the source file
+    it came from (the file is keyed by its bytes, not its name, so the name is not recorded)."""
+    rec = {"id": prompt_id(messages, tools), "dataset": dataset, "messages": messages}
+    if tools:
+        rec["tools"] = tools
+    return {**rec, "source": {"line": line}}
 
 
 def response_record(prompt: dict, result: dict, backend: str, sampling: dict) -> dict:
@@ -59,4 +61,9 @@ def response_record(prompt: dict, result: dict, backend: str, sampling: dict) ->
     missing = [f for f in RESPONSE_FIELDS if f not in rec]
     if missing:
         raise ValueError(f"response {prompt['id']}: backend result lacks {missing}")
-    return {f: rec[f] for f in RESPONSE_FIELDS}
+    out = {f: rec[f] for f in RESPONSE_FIELDS}
+    if prompt.get("tools"):
+        out["tools"] = prompt["tools"]  # the template renders them into the prompt
+    if rec.get("tool_calls"):
+        out["tool_calls"] = rec["tool_calls"]  # the answer's own calls (API backends)
+    return out

@@ -132,7 +132,13 @@ def _summary(row: dict) -> str:
         return f"{st['draft_vocab_size']} ids, {100 * st['coverage']:.1f}% of assistant tokens"
     if row["stage"] == "train" and st:
         acc = (st.get("heldout") or {}).get("acc") or [float("nan")]
-        return f"{st['steps']} steps, loss {st['final_loss']:.3f}, held-out acc@0 {acc[0]:.2f}"
+        shares = ", ".join(
+            f"{name} {s['share']:.2f}"
+            for name, s in (st.get("supervised_share") or {}).items()
+            if s["share"] is not None
+        )
+        text = f"{st['steps']} steps, loss {st['final_loss']:.3f}, held-out acc@0 {acc[0]:.2f}"
+        return text + (f", supervised {shares}" if shares else "")
     if row["stage"] == "evaluate" and st:
         als = [f"{v:.2f}" for k, v in st.items() if k.startswith("acceptance_length_n") and v]
         eq = all(v for k, v in st.items() if k.startswith("greedy_equal_"))

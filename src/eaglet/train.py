@@ -427,6 +427,12 @@ def build(
     )
     embed, lm_head = load_head(spec)
     hp = prov["params"]["train"] | {"heldout_fraction": prov["params"]["heldout_fraction"]}
+    from eaglet import supervised
+
+    share = supervised.shares(
+        readers, params.drafter(drafter)["datasets"], lm_head, t2d, hp["max_length"]
+    )
+    supervised.check(share, settings["min_supervised_share"], drafter)
     stats = fit(
         readers,
         cfg,
@@ -441,5 +447,6 @@ def build(
         quiet=quiet,
     )
     if int(os.environ.get("RANK", "0")) == 0:
+        stats = {**stats, "supervised_share": share}
         write_json(sidecar_of(out), {"provenance": prov, "stats": stats})
     return out

@@ -109,6 +109,8 @@ def chat_body(request: dict, model: str, cfg: dict) -> dict:
     }
     if s["top_k"] > 0:
         body["top_k"] = s["top_k"]
+    if request.get("tools"):
+        body["tools"] = request["tools"]
     for k in ("provider", "reasoning"):
         if k in cfg:
             body[k] = cfg[k]
@@ -135,6 +137,7 @@ def parse_chat(
     message = choice.get("message") or {}
     text = message.get("content") or ""
     reasoning = message.get("reasoning") or message.get("reasoning_content")
+    calls = message.get("tool_calls") or None
     usage = data.get("usage") or {}
     output_ids = choice.get("response_token_ids")  # SGLang >= 0.5.23 returns them on request
     completion = usage.get("completion_tokens")
@@ -147,7 +150,7 @@ def parse_chat(
     meta = {k: data[k] for k in ("id", "provider") if k in data}
     if usage:
         meta["usage"] = usage
-    return {
+    result = {
         "response": text,
         "reasoning": reasoning,
         "output_ids": output_ids,
@@ -158,6 +161,7 @@ def parse_chat(
         "cost": cost,
         "meta": meta,
     }
+    return result | ({"tool_calls": calls} if calls else {})
 
 
 def _body_error(data: dict) -> None:

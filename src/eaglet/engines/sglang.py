@@ -62,7 +62,8 @@ class SGLangBackend:
         }
         if s["temperature"] > 0:
             sp["sampling_seed"] = s["seed"]
-        return {"input_ids": prompt_ids(self.tokenizer, request["messages"]), "sampling_params": sp}
+        ids = prompt_ids(self.tokenizer, request["messages"], request.get("tools"))
+        return {"input_ids": ids, "sampling_params": sp}
 
     async def generate(self, batch: list[dict]) -> list[dict]:
         (request,) = batch

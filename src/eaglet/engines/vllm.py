@@ -57,7 +57,15 @@ from eaglet.engines.http import Client, Retryable, unreachable
 from eaglet.errors import EagletError
 from eaglet.hashing import cache_dir
 from eaglet.params import Params
-from eaglet.target import TargetSpec, load_config, load_tensor, load_tokenizer, materialize, spec_of
+from eaglet.target import (
+    TargetSpec,
+    load_config,
+    load_tensor,
+    load_tokenizer,
+    materialize,
+    read_config,
+    spec_of,
+)
 
 if TYPE_CHECKING:
     import torch
@@ -65,6 +73,7 @@ if TYPE_CHECKING:
     States = tuple[torch.Tensor, torch.Tensor]
 
 CAN = frozenset({"generate", "hidden", "speculate"})
+PROBE_IDS = [0, 1, 2, 3]  # the hidden engine's first request: checks the layers it returns
 
 SERVER_MODULE = "vllm.entrypoints.openai.api_server"
 TAIL_LINES = 40
@@ -87,6 +96,9 @@ class ServeConfig:
     seed: int = 0
     speculative: dict | None = None  # --speculative-config
     kv_transfer: dict | None = None  # --kv-transfer-config
+    revision: str | None = None  # a hub target's pinned commit
+    trust_remote_code: bool = False  # target.trust_remote_code
+    language_model_only: bool = False  # a multimodal wrapper: eaglet sends text only
     extra_args: tuple[str, ...] = field(default_factory=tuple)
 
     def argv(self, port: int) -> list[str]:
@@ -107,6 +119,12 @@ class ServeConfig:
             args += ["--tensor-parallel-size", str(self.tensor_parallel_size)]
         if self.enforce_eager:
             args.append("--enforce-eager")
+        if self.revision:
+            args += ["--revision", self.revision, "--tokenizer-revision", self.revision]
+        if self.trust_remote_code:
+            args.append("--trust-remote-code")
+        if self.language_model_only:
+            args.append("--language-model-only")
         if self.speculative is not None:
             args += ["--speculative-config", json.dumps(self.speculative, separators=(",", ":"))]
         if self.kv_transfer is not None:
@@ -403,6 +421,9 @@ def serve_config(spec: TargetSpec, cfg: dict, max_length: int, threads: int | No
     """The managed server of a `kind: vllm` backend."""
     return ServeConfig(
         model=materialize(spec),
+        revision=spec.revision,
+        trust_remote_code=spec.trust_remote_code,
+        language_model_only=multimodal(spec),
         served_name=spec.name,
         dtype=resolve_dtype(cfg["dtype"], "auto"),
         max_model_len=cfg.get("max_model_len") or max_length,
@@ -413,6 +434,12 @@ def serve_config(spec: TargetSpec, cfg: dict, max_length: int, threads: int | No
         kv_cache_gb=cfg["kv_cache_gb"],
         extra_args=tuple(cfg["extra_args"]),
     )
+
+
+def multimodal(spec: TargetSpec) -> bool:
+    """Whether the target is a multimodal wrapper (Kimi-K2.5's `kimi_k25`): its engine then runs
+    the language model only (`--language-model-only`), as eaglet sends token ids alone."""
+    return "vision_config" in read_config(spec)[0]
 
 
 def target_stop_ids(tokenizer: Any, folder: str) -> list[int]:
@@ -469,7 +496,7 @@ class VLLMBackend:
         s = request["sampling"]
         body: dict[str, Any] = {
             "model": self.model,
-            "prompt": prompt_ids(self.tokenizer, request["messages"]),
+            "prompt": prompt_ids(self.tokenizer, request["messages"], request.get("tools")),
             "max_tokens": s["max_new_tokens"],
             "temperature": s["temperature"],
             "top_p": s["top_p"],
@@ -592,6 +619,9 @@ class VLLMHidden:
                 }
             serve = ServeConfig(
                 model=materialize(spec),
+                revision=spec.revision,
+                trust_remote_code=spec.trust_remote_code,
+                language_model_only=multimodal(spec),
                 dtype=dtype,
                 max_model_len=max_len + 1,
                 max_num_seqs=cfg["concurrency"],
@@ -610,12 +640,19 @@ class VLLMHidden:
                 },
             )
             self.engine = Engine(serve, log=log)
+        self.n_layers = n_layers
+        self.served = self.engine.config.served_name if self.engine.config else cfg["model"]
         try:
             self.engine.start()
+            self.probe()
         except BaseException:
             self.close()
             raise
-        self.served = self.engine.config.served_name if self.engine.config else cfg["model"]
+
+    def probe(self) -> None:
+        """One short request before any work: the engine must return every requested layer,
+        the final one (id N) included, or the stage stops before it writes a shard."""
+        self.run([[PROBE_IDS]])
 
     def run(self, batches: list[list[list[int]]]) -> list[list[States]]:
         return asyncio.run(self._run(batches))
@@ -647,6 +684,8 @@ class VLLMHidden:
                 with contextlib.suppress(FileNotFoundError):
                     f.unlink()
         states, tokens = data["hidden_states"], data["token_ids"]
+        if states.dim() == 3 and states.shape[1] != len(self.vllm_ids):
+            raise EagletError(self._missing_layers(states.shape[1]))
         if tokens.tolist() != ids or states.shape[:2] != (len(ids), len(self.vllm_ids)):
             raise EagletError(
                 f"{path}: states {tuple(states.shape)} for tokens {tokens.shape[0]}, expected "
@@ -655,6 +694,19 @@ class VLLMHidden:
         states = states.to(self.dtype)
         return states[:, self.aux_pos], rms_norm(
             states[:, self.last_pos], self.norm_weight, self.norm_eps
+        )
+
+    def _missing_layers(self, got: int) -> str:
+        version = "unknown"
+        with contextlib.suppress(httpx.HTTPError, ValueError, AttributeError):
+            r = httpx.get(f"{self.engine.url}/version", timeout=10.0, trust_env=False)
+            version = r.json().get("version", version)
+        return (
+            f"{self.engine.url}: the vLLM engine (version {version}) returned {got} hidden "
+            f"layers for the {len(self.vllm_ids)} requested (vLLM ids {self.vllm_ids}, "
+            f"{self.n_layers} = the final layer): vLLM captures the final layer of "
+            "DeepSeek-family models (DeepSeek-V3, Kimi-K2/K2.5) only from 0.32.0 "
+            "(vLLM PR #46973); run a vLLM >= 0.32.0"
         )
 
 
