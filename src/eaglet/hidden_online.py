@@ -134,6 +134,7 @@ class Source:
         self._ready: collections.deque[dict] = collections.deque()  # fetched, same order
         self._ahead_tokens = 0
         self._thread: threading.Thread | None = None
+        self._pulling = False  # the prefetch thread has refs of the order left
         self._error: BaseException | None = None
         self._stop = False
         self.counts = collections.Counter()
@@ -151,6 +152,8 @@ class Source:
     def get(self, ref: Ref) -> dict:
         """The sample `ref`: prefetched if it was expected next, else fetched now."""
         with self._cond:
+            while not self._pending and self._pulling and self._error is None:
+                self._cond.wait()  # the thread is taking the next refs of the order
             if ref in itertools.islice(self._pending, 64):
                 t = time.monotonic()
                 while True:
@@ -228,6 +231,7 @@ class Source:
         caches = zip(self.caches or [], self.bases, strict=False)
         if not self.caches or not all(c.has_all(b.ids) for c, b in caches):
             self.engine()  # in the calling (main) thread: SIGTERM and start-up errors land here
+        self._pulling = True
         self._thread = threading.Thread(target=self._prefetch, args=(iter(refs),), daemon=True)
         self._thread.start()
 
@@ -247,6 +251,7 @@ class Source:
                 with self._cond:
                     self._pending.extend(chunk)
                     self._ahead_tokens += sum(tokens)
+                    self._cond.notify_all()
                 samples = self.fetch(chunk)
                 with self._cond:
                     self._ready.extend(samples)
@@ -254,6 +259,9 @@ class Source:
         except BaseException as e:  # surfaced by get() in the training thread
             with self._cond:
                 self._error = e
+        finally:
+            with self._cond:
+                self._pulling = False
                 self._cond.notify_all()
 
     def close(self) -> None:
