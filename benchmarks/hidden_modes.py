@@ -80,7 +80,8 @@ def params(root: Path, mode: str, args: argparse.Namespace, seed: int = 0) -> Pa
     return path
 
 
-def eaglet(params_file: Path, *args: str) -> float:
+def eaglet(params_file: Path, *args: str) -> tuple[float, str]:
+    """Seconds the command took, and its last stderr line from the online reader (if any)."""
     env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
     t0 = time.monotonic()
     r = subprocess.run(
@@ -92,7 +93,10 @@ def eaglet(params_file: Path, *args: str) -> float:
     )
     if r.returncode:
         sys.exit(f"eaglet {' '.join(args)} failed:\n{r.stderr[-3000:]}")
-    return time.monotonic() - t0
+    said = [
+        line for line in r.stderr.splitlines() if line.startswith("hidden ") and "engine" in line
+    ]
+    return time.monotonic() - t0, said[-1] if said else ""
 
 
 def disk(paths: list[Path]) -> int:
@@ -107,10 +111,10 @@ def disk(paths: list[Path]) -> int:
 def run_mode(root: Path, mode: str, args: argparse.Namespace, seed: int = 0) -> dict:
     file = params(root, mode, args, seed)
     keys = Keys(load(file))
-    hidden_s = 0.0 if seed else sum(eaglet(file, "hidden", ds, "--quiet") for ds in DATASETS)
+    hidden_s = 0.0 if seed else sum(eaglet(file, "hidden", ds, "--quiet")[0] for ds in DATASETS)
     if not seed:
         eaglet(file, "vocab", "d")
-    train_s = eaglet(file, "train", "d", "--quiet")
+    train_s, states_from = eaglet(file, "train", "d", "--quiet")
     stats = read_json(keys.sidecar("train", "d"))["stats"]
     return {
         "mode": mode if not seed else f"{mode} (second run)",
@@ -120,6 +124,7 @@ def run_mode(root: Path, mode: str, args: argparse.Namespace, seed: int = 0) -> 
         "hidden_disk_bytes": disk([keys.path("hidden", ds) for ds in DATASETS]),
         "heldout_acc": [round(a, 4) for a in stats["heldout"]["acc"]],
         "heldout_positions": stats["heldout"]["positions"],
+        "states_from": states_from or "shards",
     }
 
 
@@ -142,14 +147,14 @@ def main() -> None:
         rows.append(run_mode(root, "hybrid", args, seed=1))
     report = {"date": time.strftime("%Y-%m-%d"), "args": vars(args) | {"out": None}, "rows": rows}
     print(json.dumps(report, indent=2))
-    print("\n| mode | hidden stage s | train s | total s | hidden disk | held-out top-1 |")
-    print("|---|---|---|---|---|---|")
+    print("\n| mode | hidden stage s | train s | total s | hidden disk | held-out top-1 | states |")
+    print("|---|---|---|---|---|---|---|")
     for r in rows:
         acc = " / ".join(f"{a:.3f}" for a in r["heldout_acc"])
         mb = r["hidden_disk_bytes"] / 2**20
         print(
             f"| {r['mode']} | {r['hidden_s']} | {r['train_s']} | {r['total_s']} | "
-            f"{mb:.1f} MiB | {acc} |"
+            f"{mb:.1f} MiB | {acc} | {r['states_from']} |"
         )
     if args.out:
         args.out.write_text(json.dumps(report, indent=2))
