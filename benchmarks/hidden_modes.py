@@ -1,14 +1,16 @@
 """Claim: hidden.mode online trades the hidden states' disk for an engine prefill every epoch,
 and hybrid pays that prefill once; the three modes train drafters of the same held-out accuracy.
 
-Side by side in one run, on the embedded target (SmolLM2, vLLM CPU engine for every mode, fp32)
+Side by side in one run, on the embedded target (SmolLM2, fp32; the vLLM CPU engine for every
+mode unless --offline-backend transformers)
 and a small demo-sized project (two demo prompt files, short answers from the in-process
 target): per mode, the wall time of `eaglet hidden` (every dataset) and of `eaglet train`
 (engine start included where the mode needs one), the bytes under data/hidden, and the trained
 drafter's held-out top-1 accuracy per TTT step. Hybrid is then trained a second time (another
 seed) to show a run that reads only its cache.
 
-    .venv/bin/python benchmarks/hidden_modes.py [--sg 24] [--dolly 16] [--epochs 3] [--out F]
+    .venv/bin/python benchmarks/hidden_modes.py [--sg 24] [--dolly 16] [--new-tokens 48]
+        [--epochs 3] [--offline-backend vllm|transformers] [--out F]
 """
 
 from __future__ import annotations
@@ -53,7 +55,7 @@ def params(root: Path, mode: str, args: argparse.Namespace, seed: int = 0) -> Pa
             },
         },
         "hidden": {
-            "backend": "vllm",
+            "backend": args.offline_backend if mode == "offline" else "vllm",
             "mode": mode,
             "dtype": "float32",
             "compute_dtype": "float32",
@@ -135,6 +137,12 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=48)
     ap.add_argument("--epochs", type=int, default=3)
     ap.add_argument("--out", type=Path)
+    ap.add_argument(
+        "--offline-backend",
+        choices=["vllm", "transformers"],
+        default="vllm",
+        help="the offline hidden stage's engine (transformers: no engine start, same fp32 states)",
+    )
     args = ap.parse_args()
     with tempfile.TemporaryDirectory(prefix="eaglet-modes-") as tmp:
         root = Path(tmp)
