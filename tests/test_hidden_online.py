@@ -134,7 +134,7 @@ def test_online_kill_resume_matches_offline(root):
         load_file(offline.path("train", "d") / "model.safetensors"),
         load_file(out / "model.safetensors"),
     )
-    drift = max(float((a[k] - b[k]).abs().max()) for k in a)
+    drift = max(float((a[k].float() - b[k].float()).abs().max()) for k in a)
     print(
         json.dumps({"weight_drift": drift, "online": stats["heldout"], "offline": want["heldout"]})
     )
