@@ -127,3 +127,22 @@ def test_plan_without_a_readable_target_config_is_one_error(tmp_path, capsys):
     bad.write_text(json.dumps({"text_config": {"hidden_size": 7168}}))
     assert main(["plan", "--params", str(EXAMPLE), "--target-config", str(bad)]) == 2
     assert "text_config.num_hidden_layers: missing" in capsys.readouterr().err
+
+
+def test_plan_per_hidden_mode(capsys):
+    """Online keeps 5 B/token of ids and prefills every epoch; offline and hybrid store states
+    and prefill once."""
+    params = load(EXAMPLE)
+    report = plan.plan(params, CONFIG)
+    tokens = report["total"]["hidden_tokens"]["expected"]
+    states = report["total"]["hidden_bytes"]["expected"]
+    epochs = params.drafter("kimi_k25_eagle3")["train"]["epochs"]
+    modes = {r["mode"]: r for r in report["hidden_modes"]}
+    assert modes["online"]["disk_bytes"] == pytest.approx(tokens * 5)
+    assert modes["online"]["prefill_tokens_total"] == pytest.approx(tokens * epochs)
+    for mode in ("offline", "hybrid"):
+        assert modes[mode]["disk_bytes"] == pytest.approx(states + tokens * 5)
+        assert modes[mode]["prefill_tokens_total"] == pytest.approx(tokens)
+    assert all(r["prefill_tokens_per_epoch"] == pytest.approx(tokens) for r in modes.values())
+    main(["plan", "--params", str(EXAMPLE), "--target-config", str(CONFIG)])
+    assert "repeated every epoch: tokens x epochs" in capsys.readouterr().out

@@ -79,10 +79,25 @@ def test_resume_after_kill_gives_the_same_weights(tiny, tmp_path):
 
 
 def test_ddp_and_accumulation_equal_one_process_with_the_same_global_batch(tiny, tmp_path):
-    one = run(tiny, tmp_path / "one", "--batch-size", 4, "--max-steps", 4)
+    reads = ("--reads", tmp_path / "reads")
+    one = run(
+        tiny,
+        tmp_path / "one",
+        "--batch-size",
+        4,
+        "--max-steps",
+        4,
+    )
     accum = run(tiny, tmp_path / "accum", "--batch-size", 2, "--grad-accum", 2, "--max-steps", 4)
     torchrun = ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
-    ddp = run(tiny, tmp_path / "ddp", "--batch-size", 2, "--max-steps", 4, launcher=torchrun)
+    ddp = run(
+        tiny, tmp_path / "ddp", "--batch-size", 2, "--max-steps", 4, *reads, launcher=torchrun
+    )
+    # each rank reads its own half of every global batch, in the order it announced (what an
+    # online reader prefetches); rank 0 alone reads the held-out samples
+    r0, r1 = (json.loads((tmp_path / f"reads.{r}").read_text()) for r in (0, 1))
+    assert r0["read"] == r0["expected"] and r1["read"] == r1["expected"]
+    assert len(r1["read"]) == 4 * 2 and not set(r1["read"]) & set(r0["read"][:8])
     assert (one["processes"], accum["processes"], ddp["processes"]) == (1, 1, 2)
     ref = rows(tmp_path / "one")
     for other in ("accum", "ddp"):

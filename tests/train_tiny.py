@@ -1,10 +1,12 @@
 """Train a drafter for the tiny target in its own process (for kill/resume and torchrun tests).
 
     python tests/train_tiny.py BUNDLE OUT [--batch-size B] [--grad-accum A] [--max-steps N]
-                               [--checkpoint-every K] [--step-sleep S]
+                               [--checkpoint-every K] [--step-sleep S] [--reads FILE]
 
 BUNDLE is a torch.save of tests.hidden_fixture.bundle(). Prints the training stats as JSON on
-rank 0. --step-sleep slows each step (so that a test can kill it midway).
+rank 0. --step-sleep slows each step (so that a test can kill it midway). --reads writes, per
+process (FILE.<rank>), the sample ids training announced it would read (`expect`, what an online
+reader prefetches) and those it read.
 """
 
 import argparse
@@ -30,7 +32,10 @@ def main() -> None:
     ap.add_argument("--max-steps", type=int, default=8)
     ap.add_argument("--checkpoint-every", type=int, default=1000)
     ap.add_argument("--step-sleep", type=float, default=0.0)
+    ap.add_argument("--reads", type=Path)
     args = ap.parse_args()
+    if args.reads:
+        record_reads(args.reads)
     torch.set_num_threads(1)
     if args.step_sleep:
         from eaglet.progress import Progress
@@ -53,6 +58,27 @@ def main() -> None:
     )
     if int(os.environ.get("RANK", "0")) == 0:
         print(json.dumps(stats))
+
+
+def record_reads(path: Path) -> None:
+    """Record what the tiny reader is told to expect and what it is asked for."""
+    import atexit
+
+    from tests.hidden_fixture import MemoryReader
+
+    log: dict = {"expected": [], "read": []}
+    get = MemoryReader.get
+
+    def expect(self, refs):
+        log["expected"] += [sid for _, sid in refs]
+
+    def recorded(self, sid):
+        log["read"].append(sid)
+        return get(self, sid)
+
+    MemoryReader.expect, MemoryReader.get = expect, recorded
+    rank = os.environ.get("RANK", "0")
+    atexit.register(lambda: Path(f"{path}.{rank}").write_text(json.dumps(log)))
 
 
 if __name__ == "__main__":

@@ -10,6 +10,7 @@ by two datasets lands on the same side in both.
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Iterator
 
 import torch
 
@@ -21,7 +22,9 @@ Ref = tuple[int, str]  # (reader index, sample id)
 
 
 def open_readers(params: Params, drafter: str) -> list:
-    """A HiddenReader for each dataset of the drafter; they must share one target and layers."""
+    """A reader for each dataset of the drafter (HiddenReader, or an OnlineReader taking the
+    states from the engine in hidden.mode online/hybrid); they must share target and layers.
+    Close them with `close_readers`."""
     from eaglet.hidden_store import HiddenReader
 
     keys = Keys(params)
@@ -33,14 +36,31 @@ def open_readers(params: Params, drafter: str) -> list:
             raise EagletError(f"drafters.{drafter}: hidden states of '{ds}' not built: {path}")
         readers.append(HiddenReader(path))
     check_compatible(readers, names)
+    if readers[0].manifest.get("mode"):
+        from eaglet.hidden_online import online_readers
+
+        return online_readers(params, readers)
     return readers
+
+
+def expect(readers: list, refs: Iterator[Ref]) -> None:
+    """Tell the readers the order samples will be read in: an online reader fetches ahead."""
+    ahead = getattr(readers[0], "expect", None)
+    if ahead is not None:
+        ahead(refs)
+
+
+def close_readers(readers: list) -> None:
+    """Release the readers (an online reader stops its prefetching and its engine)."""
+    for r in readers:
+        r.close()
 
 
 def check_compatible(readers: list, names: list[str]) -> None:
     first = readers[0].manifest
     for name, r in zip(names[1:], readers[1:], strict=True):
-        for field in ("target", "aux_layer_ids"):
-            if r.manifest[field] != first[field]:
+        for field in ("target", "aux_layer_ids", "mode"):
+            if r.manifest.get(field) != first.get(field):
                 raise EagletError(
                     f"hidden states of '{name}' and '{names[0]}' differ in {field}: "
                     f"{r.manifest[field]} != {first[field]}"

@@ -298,6 +298,7 @@ def build(
         "speculative": own,
         "offline": offline(model, readers, held, target_model.lm_head.weight, cfg["num_steps"]),
     }
+    drafter_data.close_readers(readers)  # an online reader's engine
     if engine:
         metrics["agreement"] = agreement(own, engine)
         metrics["engine"] = {k: v for k, v in engine.items() if k != "greedy_outputs"}

@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from eaglet.chat import assistant_turn, prompt_ids, stop_ids
+from eaglet.device import resolve_dtype
 from eaglet.engines.lookup import hidden_states
 from eaglet.errors import EagletError
 from eaglet.hidden_store import FORMAT, PartialDir, Storage
@@ -222,6 +223,14 @@ def build(
         raise EagletError(f"{source}: no response gives a training sequence ({stats})")
     storage = _storage(params)
     n_aux, hidden = len(ids), target.config.hidden_size
+    if h["mode"] != "offline":  # online, hybrid: the states come from the engine at training
+        from eaglet.hidden_online import write_manifest_only
+
+        dtype = resolve_dtype(h["compute_dtype"], h["device"])
+        manifest = _manifest(params, dataset, prov, target, ids, storage, dtype, [], stats)
+        manifest["samples"] = [_sample_meta(s, None) for s in samples]
+        write_json(sidecar_of(out), {"provenance": prov, "stats": stats})
+        return write_manifest_only(out, manifest, samples)
     plan = plan_shards(samples, storage.token_bytes(n_aux, hidden), h["shard_mb"] * 2**20)
     digest = [prov["key"], storage.to_dict(), ids]
     digest += [[(samples[i]["id"], samples[i]["response_sha256"]) for i in p] for p in plan]
@@ -253,12 +262,42 @@ def build(
     for entry in shards:
         entry.pop("index")
     stats.update(_disk_stats(shards, stats["tokens"], n_aux, hidden, storage))
-    manifest = {
+    compute_dtype = str(backend.dtype).removeprefix("torch.")
+    manifest = _manifest(params, dataset, prov, target, ids, storage, compute_dtype, shards, stats)
+    manifest["samples"] = [
+        _sample_meta(samples[i], shards[n]["name"]) for n, shard in enumerate(plan) for i in shard
+    ]
+    timing = {
+        "load_s": round(load_s, 3),
+        "run_s": round(run_s, 3),
+        "forward_s": round(forward_s, 3),
+        "elapsed_s": round(time.monotonic() - t0, 3),
+        "tokens_per_s": round(stats["tokens"] / max(run_s, 1e-9), 1),
+    }
+    write_json(sidecar_of(out), {"provenance": prov, "stats": {**stats, **timing}})
+    return partial.finish(manifest)
+
+
+def _manifest(
+    params: Params,
+    dataset: str,
+    prov: dict,
+    target: Target,
+    ids: list[int],
+    storage: Storage,
+    compute_dtype: str,
+    shards: list[dict],
+    stats: dict,
+) -> dict:
+    """The manifest of a hidden-states directory, but its samples."""
+    h = params.data["hidden"]
+    return {
         "format": FORMAT,
         "dataset": dataset,
         "key": prov["key"],
         "responses_key": prov["upstream"]["responses"],
         "backend": h["backend"],
+        **({"mode": h["mode"]} if h["mode"] != "offline" else {}),
         "target": target.identity,
         "max_length": target.max_length,
         "aux_layer_ids": {
@@ -272,32 +311,23 @@ def build(
             "how": LAST_STATE[h["backend"]],
         },
         "dtype": storage.dtype,
-        "compute_dtype": str(backend.dtype).removeprefix("torch."),
+        "compute_dtype": compute_dtype,
         "storage": {**storage.to_dict(), "shard_mb": h["shard_mb"]},
         "shards": shards,
-        "samples": [
-            {
-                "id": samples[i]["id"],
-                "response_sha256": samples[i]["response_sha256"],
-                "shard": shards[n]["name"],
-                "tokens": len(samples[i]["input_ids"]),
-                "loss_tokens": sum(samples[i]["loss_mask"]),
-                "prompt_tokens": samples[i]["prompt_tokens"],
-            }
-            for n, shard in enumerate(plan)
-            for i in shard
-        ],
+        "samples": [],
         "stats": stats,
     }
-    timing = {
-        "load_s": round(load_s, 3),
-        "run_s": round(run_s, 3),
-        "forward_s": round(forward_s, 3),
-        "elapsed_s": round(time.monotonic() - t0, 3),
-        "tokens_per_s": round(stats["tokens"] / max(run_s, 1e-9), 1),
+
+
+def _sample_meta(sample: dict, shard: str | None) -> dict:
+    return {
+        "id": sample["id"],
+        "response_sha256": sample["response_sha256"],
+        "shard": shard,
+        "tokens": len(sample["input_ids"]),
+        "loss_tokens": sum(sample["loss_mask"]),
+        "prompt_tokens": sample["prompt_tokens"],
     }
-    write_json(sidecar_of(out), {"provenance": prov, "stats": {**stats, **timing}})
-    return partial.finish(manifest)
 
 
 def _disk_stats(shards: list[dict], tokens: int, n_aux: int, hidden: int, storage: Storage):

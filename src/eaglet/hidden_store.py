@@ -211,9 +211,14 @@ class PartialDir:
             f.flush()
             os.fsync(f.fileno())
 
-    def write_shard(self, index: int, samples: list[dict], storage: Storage) -> dict:
+    def write_shard(
+        self, index: int, samples: list[dict], storage: Storage, ids: bool = False
+    ) -> dict:
+        """Write shard `index` and journal it (with its sample ids if `ids`: a cache's index)."""
         entry = write_shard(self.path / shard_name(index), samples, storage)
         entry["index"] = index
+        if ids:
+            entry["ids"] = [s["id"] for s in samples]
         self._append(entry)
         self.done[index] = entry
         return entry
@@ -269,6 +274,11 @@ class HiddenReader:
             meta = self._meta[id]
         except KeyError:
             raise EagletError(f"{self.path}: no sample '{id}'") from None
+        if meta["shard"] is None:
+            raise EagletError(
+                f"{self.path}: hidden.mode {self.manifest.get('mode')}: no states stored here "
+                "(they come from the engine at training)"
+            )
         return self._read(safe_open(str(self.path / meta["shard"]), framework="pt"), meta)
 
     def _read(self, handle: Any, meta: dict) -> dict:
@@ -284,6 +294,23 @@ class HiddenReader:
         except (zstandard.ZstdError, RuntimeError, ValueError) as e:
             raise EagletError(f"{self.path / meta['shard']}: sample {sid}: unreadable: {e}") from e
         return {"id": sid, **tensors}
+
+    def tokens(self) -> Iterator[dict]:
+        """Each sample's id, input_ids and loss_mask (no hidden states read)."""
+        handle, opened = None, None
+        for meta in self.manifest["samples"]:
+            if meta["shard"] != opened:
+                handle = safe_open(str(self.path / meta["shard"]), framework="pt")
+                opened = meta["shard"]
+            sid = meta["id"]
+            yield {
+                "id": sid,
+                "input_ids": handle.get_tensor(f"{sid}/input_ids").long(),
+                "loss_mask": handle.get_tensor(f"{sid}/loss_mask").bool(),
+            }
+
+    def close(self) -> None:
+        """Nothing to release (an online reader stops its engine here)."""
 
     def check_shards(self) -> list[str]:
         """Problems found comparing every shard's size and SHA-256 with the manifest."""

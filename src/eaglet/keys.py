@@ -313,6 +313,8 @@ def _hidden_slice(keys: Keys, ds: str) -> tuple[dict, dict]:
         "dtype": h["dtype"],
         "storage": {"compress": h["compress"], "fp8": h["fp8"], "shard_mb": h["shard_mb"]},
     }
+    if h["mode"] != "offline":  # a manifest-only directory: other bytes (not in train's slice)
+        slice_["mode"] = h["mode"]
     return slice_, {"responses": keys.key("responses", ds)}
 
 

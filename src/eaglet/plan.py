@@ -15,6 +15,9 @@ is read (or `--target-config`).
 - hidden tokens per sample: prompt + answer, at most the dataset's `max_length`.
 - bytes per token: (K + 1) states x H x 2 (bf16) x the storage's measured ratio
   (STORAGE_RATIO; bf16 planes for fp32 x 2).
+- per hidden.mode (`mode_rows`): disk for hidden states and the engine's prefill tokens.
+  offline: the shards, one prefill; online: the token ids alone (5 B/token), a prefill every
+  epoch of every drafter (tokens x epochs); hybrid: the shards (as a cache), one prefill.
 """
 
 from __future__ import annotations
@@ -170,7 +173,44 @@ def plan(params: Params, target_config: Path | None = None) -> dict:
         "datasets": rows,
         "total": total,
         "disk": {"path": shown, "free_bytes": free, "fits": fits},
+        "hidden_modes": mode_rows(params, rows, free),
     }
+
+
+TOKEN_ID_BYTES = 5  # int32 id + bool mask: what an online manifest keeps per token
+
+
+def mode_rows(params: Params, rows: list[dict], free: int) -> list[dict]:
+    """Per hidden.mode: expected disk for hidden states and engine prefill tokens (one epoch and
+    all training), from the datasets' expected hidden tokens and bytes."""
+    tokens = {r["dataset"]: r["hidden_tokens"]["expected"] for r in rows}
+    size = {r["dataset"]: r["hidden_bytes"]["expected"] for r in rows}
+    once = _sum(tokens.values())
+    epochs_x = _sum(  # every drafter re-reads its datasets each epoch
+        _sum(tokens[ds] for ds in d["datasets"]) * d["train"]["epochs"]
+        if _sum(tokens[ds] for ds in d["datasets"]) is not None
+        else None
+        for d in (params.drafter(n) for n in params.data["drafters"])
+    )
+    ids = None if once is None else once * TOKEN_ID_BYTES
+    shards = _sum(size.values())
+    out = []
+    for mode, disk, prefill in (
+        ("offline", None if shards is None else shards + ids, once),
+        ("online", ids, epochs_x),
+        ("hybrid", None if shards is None else shards + ids, once),
+    ):
+        out.append(
+            {
+                "mode": mode,
+                "disk_bytes": disk,
+                "fits": None if disk is None else disk <= free,
+                "prefill_tokens_per_epoch": once,
+                "prefill_tokens_total": prefill,
+                "repeats_each_epoch": mode == "online",
+            }
+        )
+    return out
 
 
 def _sum(values) -> float | None:
@@ -226,4 +266,21 @@ def render(report: dict) -> str:
         f"{k} {_num(report['total']['hidden_bytes'][k], 'B')}: {verdict[d['fits'][k]]}"
         for k in ("expected", "max")
     )
-    return "\n".join([head, "", *lines, "", disk])
+    return "\n".join([head, "", *lines, "", disk, "", *render_modes(report)])
+
+
+def render_modes(report: dict) -> list[str]:
+    """The hidden.mode table: disk and engine prefill per mode."""
+    verdict = {True: "fits", False: "DOES NOT FIT", None: "unknown"}
+    lines = [
+        "| hidden.mode | hidden-state disk (exp) | engine prefill tok / epoch | prefill tok, all "
+        "training |",
+        "|---|---|---|---|",
+    ]
+    for r in report["hidden_modes"]:
+        total = _num(r["prefill_tokens_total"])
+        if r["repeats_each_epoch"]:
+            total += " (repeated every epoch: tokens x epochs)"
+        disk = f"{_num(r['disk_bytes'], 'B')} ({verdict[r['fits']]})"
+        lines.append(f"| {r['mode']} | {disk} | {_num(r['prefill_tokens_per_epoch'])} | {total} |")
+    return lines

@@ -269,20 +269,35 @@ def fit(
         with atomic_path(ckpt) as tmp:
             torch.save(state, tmp)
 
-    @functools.lru_cache(maxsize=1)
+    @functools.lru_cache(maxsize=2)
     def epoch_order(epoch: int) -> list:
         """The epoch's sample order: a function of seed and epoch only, so a resume sees it."""
         order = list(train_refs)
         random.Random(hp["seed"] * 100_003 + epoch).shuffle(order)
         return order
 
+    def my_refs(step: int) -> list:
+        """This process's share of the step's global batch."""
+        epoch, index = divmod(step, per_epoch)
+        refs = epoch_order(epoch)[index * per_step : (index + 1) * per_step]
+        return refs[run.rank * len(refs) // run.world : (run.rank + 1) * len(refs) // run.world]
+
+    def reads():
+        """The samples this process reads, in order (an online reader fetches them ahead)."""
+        for step in range(start, total):
+            yield from my_refs(step)
+            if (step + 1) % per_epoch == 0 and run.rank == 0:
+                yield from held_refs
+        if run.rank == 0:
+            yield from held_refs
+
+    drafter_data.expect(readers, reads())
     progress = Progress("train", total, quiet=quiet or run.rank != 0, unit="step")
     progress.done = start
     t0 = time.monotonic()
     for step in range(start, total):
-        epoch, index = divmod(step, per_epoch)
-        refs = epoch_order(epoch)[index * per_step : (index + 1) * per_step]
-        mine = refs[run.rank * len(refs) // run.world : (run.rank + 1) * len(refs) // run.world]
+        epoch = step // per_epoch
+        mine = my_refs(step)
         bs = hp["batch_size"]
         micro = [
             prepare(
@@ -429,23 +444,26 @@ def build(
     hp = prov["params"]["train"] | {"heldout_fraction": prov["params"]["heldout_fraction"]}
     from eaglet import supervised
 
-    share = supervised.shares(
-        readers, params.drafter(drafter)["datasets"], lm_head, t2d, hp["max_length"]
-    )
-    supervised.check(share, settings["min_supervised_share"], drafter)
-    stats = fit(
-        readers,
-        cfg,
-        embed,
-        lm_head,
-        d2t,
-        t2d,
-        hp,
-        out,
-        settings["checkpoint_every"],
-        settings["device"],
-        quiet=quiet,
-    )
+    try:  # an online reader's engine starts on its first sample and stops here
+        share = supervised.shares(
+            readers, params.drafter(drafter)["datasets"], lm_head, t2d, hp["max_length"]
+        )
+        supervised.check(share, settings["min_supervised_share"], drafter)
+        stats = fit(
+            readers,
+            cfg,
+            embed,
+            lm_head,
+            d2t,
+            t2d,
+            hp,
+            out,
+            settings["checkpoint_every"],
+            settings["device"],
+            quiet=quiet,
+        )
+    finally:
+        drafter_data.close_readers(readers)
     if int(os.environ.get("RANK", "0")) == 0:
         stats = {**stats, "supervised_share": share}
         write_json(sidecar_of(out), {"provenance": prov, "stats": stats})

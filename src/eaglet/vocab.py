@@ -25,7 +25,8 @@ def count_tokens(readers: list, vocab_size: int) -> torch.Tensor:
     """How often each target id occurs among the loss-masked tokens of every sample."""
     counts = torch.zeros(vocab_size, dtype=torch.long)
     for reader in readers:
-        for sample in reader:
+        # ids and masks alone where the reader gives them (an online reader would prefill)
+        for sample in reader.tokens() if hasattr(reader, "tokens") else reader:
             ids = sample["input_ids"][sample["loss_mask"]]
             if ids.numel() and int(ids.max()) >= vocab_size:
                 raise EagletError(f"sample {sample['id']}: token id {int(ids.max())} >= vocab")

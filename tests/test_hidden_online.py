@@ -1,0 +1,161 @@
+"""hidden.mode online and hybrid: training takes its states from a real vLLM engine.
+
+The reference is offline training on shards the in-process transformers forward wrote (fp32):
+the states agree to the engine's noise and the drafters trained on them agree with it."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from safetensors.torch import load_file
+
+from eaglet import drafter_data, generate, hidden, prompts, vocab
+from eaglet.io import read_json
+from eaglet.keys import Keys
+from eaglet.params import load
+
+from .conftest import DEMO, ROOT, tiny_params
+
+pytestmark = [pytest.mark.engine, pytest.mark.slow]
+EXACT = {"dtype": "float32", "compute_dtype": "float32", "threads": 2, "concurrency": 4}
+
+
+def write(root: Path, name: str, mode: str, **train) -> Path:
+    data = tiny_params()
+    data["target"]["max_length"] = 256
+    data["hidden"] = {"backend": "transformers", **EXACT}
+    if mode != "offline":
+        data["hidden"] |= {"backend": "vllm", "mode": mode, "spool": str(root / f"spool-{name}")}
+    data["drafters"]["d"]["train"] |= {"checkpoint_every": 1, **train}
+    path = root / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(data, sort_keys=False))
+    return path
+
+
+def eaglet(params: Path, *args: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "eaglet", *args, "--params", str(params)]
+    r = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=params.parent)
+    assert r.returncode == 0, r.stderr[-3000:]
+    return r
+
+
+def engines_of(spool: Path) -> list[str]:
+    """Processes whose command line names this spool: the engine this run started."""
+    r = subprocess.run(["pgrep", "-f", str(spool)], capture_output=True, text=True)
+    return r.stdout.split()
+
+
+@pytest.fixture(scope="module")
+def root(tmp_path_factory) -> Path:
+    """A project with responses of the embedded target, and the offline reference drafter."""
+    import shutil
+
+    root = tmp_path_factory.mktemp("online")
+    shutil.copytree(DEMO, root / "data" / "demo")
+    ref = load(write(root, "offline", "offline"))
+    for ds in ("sg", "dolly"):
+        prompts.build(ref, ds)
+        generate.build(ref, ds, quiet=True)
+        hidden.build(ref, ds, quiet=True)
+    vocab.build(ref, "d")
+    eaglet(root / "offline.yaml", "train", "d")
+    return root
+
+
+def test_online_kill_resume_matches_offline(root):
+    params_path = write(root, "online", "online")
+    params, spool = load(params_path), root / "spool-online"
+    keys = Keys(params)
+    for ds in ("sg", "dolly"):  # the stage writes the manifest and token ids: no engine, no shards
+        eaglet(params_path, "hidden", ds)
+        assert sorted(p.name for p in keys.path("hidden", ds).iterdir()) == [
+            "manifest.json",
+            "tokens.safetensors",
+        ]
+    eaglet(params_path, "vocab", "d")
+    want = load_file(Keys(load(root / "offline.yaml")).path("vocab", "d"))
+    got = load_file(keys.path("vocab", "d"))
+    assert all(torch.equal(got[k], want[k]) for k in want)
+
+    # the online states equal the offline shards' (transformers fp32) to the engine's noise
+    ref = drafter_data.open_readers(load(root / "offline.yaml"), "d")
+    got = drafter_data.open_readers(params, "d")
+    try:
+        for r, g in zip(ref, got, strict=True):
+            for sid in r.ids[:3]:
+                a, b = r.get(sid), g.get(sid)
+                assert torch.equal(a["input_ids"], b["input_ids"])
+                for f in ("aux", "last"):
+                    err = (a[f] - b[f]).norm(dim=-1) / a[f].norm(dim=-1)
+                    assert err.max() < 1e-4, (sid, f, float(err.max()))
+    finally:
+        drafter_data.close_readers(got)
+    assert not engines_of(spool)
+
+    # kill -9 mid-training: the reaper ends the engine; the rerun resumes from the checkpoint
+    out = keys.path("train", "d")
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "eaglet", "train", "d", "--params", str(params_path)]
+    proc = subprocess.Popen(cmd, env=env, cwd=root, stderr=subprocess.DEVNULL)
+    ckpt = out.parent / f".{out.name}.work" / "checkpoint.pt"
+    deadline = time.monotonic() + 400
+    while not ckpt.exists() and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert proc.poll() is None, "training ended before a checkpoint could be killed"
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    deadline = time.monotonic() + 60
+    while engines_of(spool) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert not engines_of(spool), "engine outlived a training process killed with SIGKILL"
+    assert not out.exists()
+
+    eaglet(params_path, "train", "d")
+    stats = read_json(keys.sidecar("train", "d"))["stats"]
+    assert stats["resumed_from"] > 0 and stats["steps"] > stats["resumed_from"]
+    assert not engines_of(spool) and not list(spool.iterdir())
+    for ds in ("sg", "dolly"):  # no states on disk in online mode
+        hid = keys.path("hidden", ds)
+        assert not list(hid.parent.glob(f"*{hid.name}*/**/*shard*"))
+
+    offline = Keys(load(root / "offline.yaml"))
+    want = read_json(offline.sidecar("train", "d"))["stats"]
+    assert stats["heldout"]["acc"] == pytest.approx(want["heldout"]["acc"], abs=0.05)
+    assert stats["heldout"]["loss"] == pytest.approx(want["heldout"]["loss"], rel=0.02)
+    a, b = (
+        load_file(offline.path("train", "d") / "model.safetensors"),
+        load_file(out / "model.safetensors"),
+    )
+    drift = max(float((a[k].float() - b[k].float()).abs().max()) for k in a)
+    print(
+        json.dumps({"weight_drift": drift, "online": stats["heldout"], "offline": want["heldout"]})
+    )
+    assert drift < 5e-3
+
+
+def test_hybrid_caches_then_trains_without_engine(root):
+    params_path = write(root, "hybrid", "hybrid", epochs=2)
+    params = load(params_path)
+    keys = Keys(params)
+    for ds in ("sg", "dolly"):
+        eaglet(params_path, "hidden", ds)
+    eaglet(params_path, "vocab", "d")
+    first = eaglet(params_path, "train", "d")
+    assert "from the engine" in first.stderr
+    for ds in ("sg", "dolly"):
+        cache = keys.path("hidden", ds).with_name(keys.path("hidden", ds).name + ".cache")
+        assert list(cache.glob(".rank-0.partial/shard-*.safetensors"))
+
+    # another run (another seed: another key) reads every state from the cache, no engine
+    params_path = write(root, "hybrid", "hybrid", epochs=2, seed=1)
+    second = eaglet(params_path, "train", "d")
+    assert "0 samples (0 tokens) from the engine, " in second.stderr, second.stderr[-2000:]
+    assert not engines_of(root / "spool-hybrid")
