@@ -72,7 +72,7 @@ def repo(tmp_path_factory) -> Path:
     data = tiny_params(max_new_tokens=4)
     data["datasets"]["sg"]["max_samples"] = 3
     data["datasets"]["dolly"]["max_samples"] = 3
-    data["drafters"]["d"]["evaluate"]["heldout_prompts"] = {"path": "data/heldout/natural.jsonl"}
+    data["drafters"]["d"]["evaluate"]["suites"] = {"natural": {"path": "data/heldout/natural.jsonl"}}
     write_params(repo, data)
     git(repo, "init", "-q")
     run(repo, sys.executable, "-m", "dvc", "init", "-q")
