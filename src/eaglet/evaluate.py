@@ -4,7 +4,8 @@ Per suite (eaglet.suites: the natural held-out prompts, HumanEval, any prompt fi
 names), real greedy chain speculative decoding (eaglet.speculative) of the target for each
 `num_steps`: acceptance length (generated tokens / verification rounds, bonus token included, as
 SGLang counts), acceptance per draft position, and the check that every output equals plain
-greedy decoding of the target. eaglet's own decoder measures greedy only. Also a fast offline
+greedy decoding of the target; and at each sampled temperature, speculative sampling (the
+standard rejection rule). Also a fast offline
 estimate from the drafter's held-out hidden states: the teacher-forced chain from every
 assistant position (what chain decoding would accept there, without running the target). With
 `engine: vllm`, every suite is run by vLLM serving the target with the drafter's vLLM export
@@ -100,11 +101,14 @@ def decode_all(
     quiet: bool,
     reference: list[list[int]] | None = None,
     label: str = "evaluate",
+    temperature: float = 0.0,
 ) -> dict:
-    """Speculative decoding of every prompt for each num_steps, its output checked against plain
-    greedy decoding: `reference` (the engine's greedy outputs, when it ran) or eaglet's own."""
+    """Speculative decoding of every prompt for each num_steps. Greedy (temperature 0): each
+    output checked against plain greedy decoding, `reference` (the engine's greedy outputs, when
+    it ran) or eaglet's own. Sampled: speculative sampling seeded by `seed` + num_steps."""
     steps, max_new = cfg["num_steps"], cfg["max_new_tokens"]
-    own_greedy = reference is None
+    sampled = temperature > 0
+    own_greedy = reference is None and not sampled
     runs_per_prompt = int(own_greedy) + len(steps)
     progress = Progress(label, len(prompts) * runs_per_prompt, quiet=quiet, unit="run")
 
@@ -113,8 +117,14 @@ def decode_all(
 
     seconds, runs = {}, {}
     for s in ([0] if own_greedy else []) + steps:  # 0: plain greedy
+        sampling = None
+        if sampled:
+            g = torch.Generator().manual_seed(cfg["seed"] + s)
+            sampling = speculative.Sampling(temperature, g)
         t0 = time.perf_counter()
-        runs[s] = speculative.decode(target, prompts, max_new, stop, model if s else None, s, ended)
+        runs[s] = speculative.decode(
+            target, prompts, max_new, stop, model if s else None, s, ended, sampling
+        )
         seconds[s] = time.perf_counter() - t0
     progress.close()
     greedy_tps = None
@@ -125,9 +135,12 @@ def decode_all(
     out = {}
     for s, results in runs.items():
         m = speculative.acceptance(results, s)
-        same = [r.tokens == g for r, g in zip(results, reference, strict=True)]
         tps = m["generated_tokens"] / seconds[s]
-        m.update(speculative.against_greedy(same, tps, greedy_tps))
+        if sampled:
+            m["tokens_per_s"] = round(tps, 2)
+        else:
+            same = [r.tokens == g for r, g in zip(results, reference, strict=True)]
+            m.update(speculative.against_greedy(same, tps, greedy_tps))
         out[f"num_steps_{s}"] = m
     return out
 
@@ -174,7 +187,11 @@ NOTES = {
         "where one differs the two decode different text, and elsewhere the gap is the "
         "drafter's bf16 export (eaglet decodes with the fp32 checkpoint) and the engine's kernels"
     ),
-    "eaglet": "eaglet's own decoder measures greedy decoding only (temperature 0)",
+    "eaglet": (
+        "eaglet's own decoder: greedy chain decoding checked token for token against plain "
+        "greedy; sampled, the standard rejection rule (eaglet.speculative.Sampling), seeded by "
+        "seed + num_steps"
+    ),
     "sampled": (
         "temperature > 0: vLLM's speculative sampling (rejection sampling against the drafter's "
         "proposals; output distributed as the target's), request i seeded with seed + i; one "
@@ -209,7 +226,9 @@ def lines(metrics: dict) -> list[tuple[str, str, dict]]:
         for tkey, runs in (m.get("vllm") or {}).items():
             t = tkey.removeprefix("temperature_")
             out += [(suite, f"vLLM t={t} {n}", r) for n, r in runs.items()]
-        out += [(suite, f"eaglet t=0 {n}", r) for n, r in m["eaglet"].items()]
+        for tkey, runs in m["eaglet"].items():
+            t = tkey.removeprefix("temperature_")
+            out += [(suite, f"eaglet t={t} {n}", r) for n, r in runs.items()]
     return out
 
 
@@ -225,7 +244,7 @@ def plot(metrics: dict, train_rows: list[dict], folder: Path) -> None:
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for suite, label, m in runs:
         rates, al = m["acceptance_rate"], m["acceptance_length"] or 0.0
-        style = "o-" if label.startswith("vLLM t=0 ") else "s:" if "vLLM" in label else "x--"
+        style = ("o-" if "vLLM" in label else "x--") if " t=0 " in label else "s:"
         ax.plot(range(1, len(rates) + 1), rates, style, label=f"{suite} {label}: AL {al:.2f}")
     for name, m in metrics["offline"].items():
         rates = m["acceptance_rate"]
@@ -311,13 +330,18 @@ def measure_suites(
     for name, p in prompts.items():
         e = engine["suites"][name] if engine else None
         ref = e.pop("greedy_outputs") if e else None
-        own = decode_all(target, model, p, cfg, stop, quiet, ref, f"evaluate {name}")
+        own = {
+            temperature_key(t): decode_all(
+                target, model, p, cfg, stop, quiet, ref, f"evaluate {name} t={t:g}", t
+            )
+            for t in cfg["temperatures"]
+        }
         out[name] = {"prompts": len(p), "source": sources[name], "eaglet": own}
         if e:
             out[name]["vllm_greedy_tokens_per_s"] = e.pop("greedy_tokens_per_s")
             out[name]["vllm"] = e
             if "temperature_0" in e:
-                out[name]["agreement"] = agreement(own, e["temperature_0"])
+                out[name]["agreement"] = agreement(own["temperature_0"], e["temperature_0"])
     return out, ({k: v for k, v in engine.items() if k != "suites"} if engine else None)
 
 
@@ -384,14 +408,21 @@ def summary(metrics: dict, num_steps: list[int]) -> dict:
         )
         headline = head["vllm"][tkey][first]["acceptance_length"]
     else:
-        headline = head["eaglet"][first]["acceptance_length"]
+        tkey = (
+            temperature_key(0)
+            if temperature_key(0) in head["eaglet"]
+            else next(iter(head["eaglet"]))
+        )
+        headline = head["eaglet"][tkey][first]["acceptance_length"]
     per_suite = {}
     for name, m in metrics["suites"].items():
         row: dict = {"prompts": m["prompts"]}
         for t, runs in (m.get("vllm") or {}).items():
             row[f"vllm_{t}"] = {n: r["acceptance_length"] for n, r in runs.items()}
-        row["eaglet_temperature_0"] = {n: r["acceptance_length"] for n, r in m["eaglet"].items()}
-        row["greedy_equal"] = {n: r["greedy_equal"] for n, r in m["eaglet"].items()}
+        for t, runs in m["eaglet"].items():
+            row[f"eaglet_{t}"] = {n: r["acceptance_length"] for n, r in runs.items()}
+        greedy = m["eaglet"].get(temperature_key(0), {})
+        row["greedy_equal"] = {n: r["greedy_equal"] for n, r in greedy.items()}
         per_suite[name] = row
     return {
         "prompts": metrics["prompts"],

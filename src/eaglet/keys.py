@@ -85,6 +85,7 @@ PLUMBING = frozenset(
         "eaglet.preflight",
         "eaglet.progress",
         "eaglet.publish",
+        "eaglet.report",
         "eaglet.status",
         "eaglet.store",
     }
