@@ -71,6 +71,7 @@ def _acceptance(metrics: dict) -> str:
     for suite, who, t, n, r in runs(metrics):
         base = f"suites/{suite}/{who}/{n}"
         rates = ", ".join(f"{x:.2f}" for x in r["acceptance_rate"])
+        same = "mean_acceptance_length" if who.startswith("eaglet") else "acceptance_length"
         rows.append(
             [
                 _cell(suite),
@@ -78,6 +79,7 @@ def _acceptance(metrics: dict) -> str:
                 _cell(t),
                 _cell(n.removeprefix("num_steps_")),
                 _num(r["acceptance_length"], f"{base}/acceptance_length"),
+                _num(r[same], f"{base}/{same}"),
                 _cell(rates),
                 _num(r.get("greedy_equal", "-"), f"{base}/greedy_equal"),
                 _num(r.get("tokens_per_s"), f"{base}/tokens_per_s"),
@@ -85,7 +87,8 @@ def _acceptance(metrics: dict) -> str:
             ]
         )
     header = ["suite", "decoder", "temperature", "steps", "acceptance length"]
-    header += ["rate per position", "greedy equal", "tokens/s", "speedup"]
+    header += ["1 + accepted / rounds", "rate per position", "greedy equal", "tokens/s"]
+    header += ["speedup"]
     offline = [
         [_cell(n), _num(m["acceptance_length"], f"offline/{n}/acceptance_length"), _cell(
             ", ".join(f"{x:.2f}" for x in m["acceptance_rate"])
@@ -99,6 +102,9 @@ def _acceptance(metrics: dict) -> str:
     return (
         "<h2>Acceptance</h2>"
         + _table(header, rows)
+        + '<p class="note">acceptance length: vLLM counts 1 + accepted / drafts; eaglet counts '
+        "tokens / rounds (its first token comes from the prefill); the next column is the same "
+        "quantity for both.</p>"
         + "<h3>Suites</h3>"
         + _table(["suite", "prompts", "source"], prompts)
         + "<h3>Offline estimate (teacher-forced, the drafter's held-out split)</h3>"
