@@ -2,7 +2,7 @@
 
 On a built demo (`make demo`), in one run:
   0. the target's greedy answers to the drafter's held-out prompt file
-     (`evaluate.heldout_prompts`, written apart from the training data) and their hidden
+     (the first `evaluate.suites` file, written apart from the training data) and their hidden
      states, built in a temporary project with the demo's target, backend and storage;
   1. the drafter retrained as its train stage does (its hyperparameters and seed, a draft vocab
      picked from what it trains on) on a seeded share of its training samples, for each --runs
@@ -75,7 +75,7 @@ def share(readers: list, fraction: float, heldout_fraction: float, seed: int = 0
 def heldout_states(params, drafter: str, folder: Path, threads: int) -> HiddenReader:
     """Answers and hidden states of the drafter's held-out prompt file, built in `folder`."""
     d = params.drafter(drafter)
-    file = d["evaluate"]["heldout_prompts"]
+    file = next(s for s in d["evaluate"]["suites"].values() if "path" in s)
     data = {k: params.data[k] for k in ("target", "backends", "generation", "prompts", "hidden")}
     data["datasets"] = {
         "heldout": {
@@ -124,8 +124,9 @@ def main() -> None:
             rows.append({"run": "the demo's drafter", **accept(train.load(trained))})
             evaluated = keys.path("evaluate", args.drafter) / "metrics.json"
             if evaluated.exists():
-                engine = read_json(evaluated).get("engine") or {}
-                al = engine.get(f"num_steps_{args.steps}", {}).get("acceptance_length")
+                suite = next(iter(read_json(evaluated)["suites"].values()))
+                greedy = (suite.get("vllm") or {}).get("temperature_0", {})
+                al = greedy.get(f"num_steps_{args.steps}", {}).get("acceptance_length")
                 rows[-1]["engine_acceptance_length"] = al
         for run in args.runs.split(","):
             fraction, _, epochs = run.partition(":")
@@ -148,7 +149,8 @@ def main() -> None:
             )
             print(json.dumps(rows[-1]), flush=True)
     print(f"# cpu pressure after: {pressure()}")
-    source = params.drafter(args.drafter)["evaluate"]["heldout_prompts"]["path"]
+    suites = params.drafter(args.drafter)["evaluate"]["suites"]
+    source = next(s["path"] for s in suites.values() if "path" in s)
     print(f"# held-out: the target's answers to the {len(refs)} prompts of {source}")
     print("\n| run | answer tokens | split top-1 | acceptance length | per position |")
     print("|---|---|---|---|---|")

@@ -50,9 +50,8 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from ceilings import fit_args  # noqa: E402
 
-from eaglet import drafter_data, engine_eval, export, train  # noqa: E402
+from eaglet import drafter_data, engine_eval, export, suites, train  # noqa: E402
 from eaglet.engines import vllm  # noqa: E402
-from eaglet.evaluate import file_prompts  # noqa: E402
 from eaglet.params import load  # noqa: E402
 from eaglet.speculative import against_greedy  # noqa: E402
 from eaglet.target import load_config, load_tensor, load_tokenizer, materialize, spec_of  # noqa: E402
@@ -220,7 +219,8 @@ def serve_all(
     folder = materialize(spec)
     tok = load_tokenizer(spec)
     readers = drafter_data.open_readers(params, drafter)
-    prompts = file_prompts(params, drafter, readers, tok)
+    # the first evaluate suite (the demo's: the natural held-out prompts)
+    prompts = next(iter(suites.prompts(params, drafter, readers, tok, []).values()))
     stop = sorted(vllm.target_stop_ids(tok, folder))
     serve = vllm.ServeConfig(
         model=folder,

@@ -231,13 +231,22 @@ def test_no_server_left():
 
 
 def test_evaluate_measures_acceptance_with_the_engine(project):
-    """`engine: vllm`: vLLM serves SmolLM2 with the drafter's vLLM export on the held-out
-    prompts; its counters agree with eaglet's own speculative decoding, and lead the summary."""
+    """`engine: vllm`: vLLM serves SmolLM2 with the drafter's vLLM export on each suite (held-out
+    file, HumanEval), greedy and sampled; its greedy counters agree with eaglet's own speculative
+    decoding, suite by suite, and lead the summary."""
     from eaglet import evaluate, generate, hidden, prompts, status, vocab
     from eaglet.params import load
 
     data = tiny_params(max_new_tokens=16)
-    data["drafters"]["d"]["evaluate"].update(engine="vllm", max_new_tokens=16)
+    data["drafters"]["d"]["evaluate"].update(
+        engine="vllm",
+        max_new_tokens=16,
+        temperatures=[0, 0.7],
+        suites={
+            "natural": {"path": str(ROOT / "data" / "heldout" / "natural.jsonl")},
+            "humaneval": {"format": "humaneval", "prompts": 1},
+        },
+    )
     params = load(write_params(project, data))
     for ds in ("sg", "dolly"):
         prompts.build(params, ds)
@@ -251,17 +260,29 @@ def test_evaluate_measures_acceptance_with_the_engine(project):
     out = evaluate.build(params, "d", threads=2, quiet=True)
     assert not servers()
     metrics = json.loads((out / "metrics.json").read_text())
-    engine, own, agree = metrics["engine"], metrics["speculative"], metrics["agreement"]
-    assert engine["num_steps_2"]["drafts"] > 0 and engine["greedy_tokens_per_s"] > 0
-    assert set(engine["startup_s"]) == {"plain", "num_steps_2"}
-    assert metrics["greedy_reference"] == "vllm" and metrics["prompts"] == 2
-    assert (
-        agree["num_steps_2"]["eaglet_greedy_equal"] and agree["num_steps_2"]["engine_greedy_equal"]
-    )
-    ours, theirs = own["num_steps_2"]["mean_acceptance_length"], agree["num_steps_2"]["engine"]
-    assert theirs == engine["num_steps_2"]["acceptance_length"]
-    assert theirs == pytest.approx(ours, abs=0.05)
+    assert set(metrics["engine"]["startup_s"]) == {"plain", "num_steps_2"}
+    assert metrics["greedy_reference"] == "vllm" and metrics["prompts"] == 3
+    assert list(metrics["suites"]) == ["natural", "humaneval"]
     stats = json.loads(out.with_suffix(".json").read_text())["stats"]
-    assert stats["acceptance_length_by"] == "vllm" and stats["acceptance_length"] == theirs
+    for name, n in (("natural", 2), ("humaneval", 1)):
+        suite = metrics["suites"][name]
+        greedy, sampled = (suite["vllm"][f"temperature_{t}"]["num_steps_2"] for t in ("0", "0.7"))
+        own, agree = (
+            suite["eaglet"]["temperature_0"]["num_steps_2"],
+            suite["agreement"]["num_steps_2"],
+        )
+        assert suite["prompts"] == n and greedy["drafts"] > 0 and sampled["drafts"] > 0
+        assert sampled["acceptance_length"] >= 1 and "greedy_equal" not in sampled
+        assert agree["eaglet_greedy_equal"] and agree["engine_greedy_equal"]
+        assert agree["engine"] == greedy["acceptance_length"]
+        assert greedy["acceptance_length"] == pytest.approx(own["mean_acceptance_length"], abs=0.05)
+        row = stats["suites"][name]
+        assert row["vllm_temperature_0"]["num_steps_2"] == greedy["acceptance_length"]
+        assert row["vllm_temperature_0.7"]["num_steps_2"] == sampled["acceptance_length"]
+        own_sampled = suite["eaglet"]["temperature_0.7"]["num_steps_2"]
+        assert own_sampled["rounds"] > 0 and "greedy_equal" not in own_sampled
+    first = metrics["suites"]["natural"]["vllm"]["temperature_0"]["num_steps_2"]
+    assert stats["acceptance_length_by"] == "vllm"
+    assert stats["acceptance_length"] == first["acceptance_length"]
     row = next(r for r in status.collect(params) if r["stage"] == "evaluate")
-    assert status._summary(row).startswith("vLLM acceptance length")
+    assert status._summary(row).startswith("vLLM acceptance length: natural t=0 ")

@@ -72,7 +72,9 @@ def repo(tmp_path_factory) -> Path:
     data = tiny_params(max_new_tokens=4)
     data["datasets"]["sg"]["max_samples"] = 3
     data["datasets"]["dolly"]["max_samples"] = 3
-    data["drafters"]["d"]["evaluate"]["heldout_prompts"] = {"path": "data/heldout/natural.jsonl"}
+    data["drafters"]["d"]["evaluate"]["suites"] = {
+        "natural": {"path": "data/heldout/natural.jsonl"}
+    }
     write_params(repo, data)
     git(repo, "init", "-q")
     run(repo, sys.executable, "-m", "dvc", "init", "-q")
@@ -88,8 +90,45 @@ def test_built_graph_has_nothing_to_do_and_published_metrics(repo):
     metrics = (repo / "metrics" / "datasets.json").read_text()
     assert '"responses": 3' in metrics
     drafter = json.loads((repo / "metrics" / "d.json").read_text())
-    assert drafter["acceptance_length"] >= 1 and drafter["greedy_equal_num_steps_2"] is True
+    assert drafter["acceptance_length"] >= 1
+    assert drafter["suites"]["natural"]["greedy_equal"]["num_steps_2"] is True
     assert (repo / "plots" / "d" / "train.csv").read_text().startswith("step,epoch,lr,loss")
+
+
+def test_report_holds_the_run_numbers(repo):
+    """The page `make demo` leaves (written by publish): every tagged number equals its source
+    in metrics.json or a sidecar, the plots are inline, and `eaglet report` writes the same."""
+    import base64
+    import re
+
+    page = (repo / "reports" / "d.html").read_text()
+    keys = Keys(load(repo / "params.yaml"))
+    metrics = json.loads((keys.path("evaluate", "d") / "metrics.json").read_text())
+    train = json.loads(keys.sidecar("train", "d").read_text())["stats"]
+    cells = dict(re.findall(r'data-metric="([^"]+)">([^<]*)<', page))
+    run = metrics["suites"]["natural"]["eaglet"]["temperature_0"]["num_steps_2"]
+    assert cells["suites/natural/prompts"] == "2" and metrics["suites"]["natural"]["prompts"] == 2
+    shown = float(cells["suites/natural/eaglet/temperature_0/num_steps_2/acceptance_length"])
+    assert shown == round(run["acceptance_length"], 3) and shown >= 1
+    assert cells["suites/natural/eaglet/temperature_0/num_steps_2/greedy_equal"] == str(
+        run["greedy_equal"]
+    )
+    offline = metrics["offline"]["num_steps_2"]["acceptance_length"]
+    assert float(cells["offline/num_steps_2/acceptance_length"]) == round(offline, 3)
+    assert cells["train/steps"] == str(train["steps"])
+    assert float(cells["train/final_loss"]) == round(train["final_loss"], 3)
+    assert cells["data/sg/responses"] == "3" and cells["data/dolly/prompts"] == "3"
+    for png in ("suites.png", "acceptance.png", "loss.png"):  # inline, byte for byte
+        data = (keys.path("evaluate", "d") / png).read_bytes()
+        assert f'alt="{png}" src="data:image/png;base64,{base64.b64encode(data).decode()}"' in page
+    assert keys.key("evaluate", "d") in page and "data/heldout/natural.jsonl" in page
+    out = repo / "r.html"
+    run_cli = [sys.executable, "-m", "eaglet", "report", "d", "--out", str(out)]
+    assert subprocess.run(run_cli, cwd=repo, capture_output=True, text=True).stdout.strip() == str(
+        out
+    )
+    strip = re.compile(r"page written [^<]*")  # the time it was written
+    assert strip.sub("", out.read_text()) == strip.sub("", page)
 
 
 def test_one_dataset_param_reruns_only_its_chain_and_reverting_reruns_nothing(repo):
@@ -245,6 +284,10 @@ def test_compare_two_revisions(repo):
     assert "rebuild" not in sg and "| responses | 3 | 3 |" in sg
     assert "temperature" in md.split("dvc params diff:")[1]  # the ledger's view, too
     assert "dvc params diff" not in same and "rebuild" not in same  # no empty tables
+    drafter = same.split("## drafter d")[1].split("##")[0]  # acceptance suite by suite
+    row = next(r for r in drafter.splitlines() if r.startswith("| natural: eaglet t=0, 2 steps |"))
+    a, b = (c.strip() for c in row.split("|")[2:4])
+    assert a == b and float(a) >= 1
 
 
 def test_slurm_profile_dry_run(repo):

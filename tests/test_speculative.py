@@ -32,3 +32,46 @@ def test_speculative_decoding_equals_greedy(tiny_drafter, monkeypatch):
         assert len(m["acceptance_rate"]) == steps and 0 < m["acceptance_rate"][0] < 1
         single = speculative.decode(target, prompts[:1], 24, stop, drafter, steps)[0]
         assert single.accepted == results[0].accepted  # each row decodes as it would alone
+
+
+def test_rejection_rule_emits_the_target_distribution():
+    """On a toy vocabulary: proposals drawn from q, accepted by the rule, emit tokens distributed
+    as p (the first token, and the second given a context-free p), while accepting the first
+    proposal with probability sum(min(p, q)), the theory's rate."""
+    g = torch.Generator().manual_seed(0)
+    p = torch.tensor([[0.5, 0.2, 0.2, 0.1, 0.0], [0.1, 0.1, 0.1, 0.3, 0.4], [0.2] * 5])
+    q = torch.tensor([[0.1, 0.6, 0.1, 0.1, 0.1], [0.3, 0.3, 0.0, 0.2, 0.2]])
+    sampling = speculative.Sampling(1.0, g)
+    n_trials, first, second, accepted = 20000, torch.zeros(5), torch.zeros(5), 0
+    for _ in range(n_trials):
+        drafts = [sampling.draw(q[0]), sampling.draw(q[1])]
+        n, nxt = sampling.accept(p, q, drafts)
+        emitted = [*drafts[:n], nxt]
+        first[emitted[0]] += 1
+        accepted += n >= 1
+        if len(emitted) > 1:  # the second token, whenever the first was a proposal
+            second[emitted[1]] += 1
+    assert torch.allclose(first / n_trials, p[0], atol=0.015)  # ~4 standard errors
+    assert torch.allclose(second / second.sum(), p[1], atol=0.02)
+    assert abs(accepted / n_trials - float(torch.minimum(p[0], q[0]).sum())) < 0.015
+    assert all(sampling.accept(p, p[:2], [i, j])[0] == 2 for i in range(4) for j in range(5))
+
+
+def test_sampled_speculative_decoding_runs_and_is_seeded(tiny_drafter):
+    """At temperature > 0 the decoder samples: seeded runs repeat, different seeds differ, and
+    the acceptance is counted as in greedy decoding."""
+    target_model, data, folder = tiny_drafter
+    drafter = train.load(folder)
+    target = speculative.Target(target_model, list(drafter.cfg.aux_layer_ids))
+    prompts = [s["input_ids"][:6].tolist() for s in data["samples"][:4]]
+
+    def run(seed: int) -> list[speculative.Decoded]:
+        sampling = speculative.Sampling(0.7, torch.Generator().manual_seed(seed))
+        return speculative.decode(target, prompts, 16, {2}, drafter, 3, sampling=sampling)
+
+    a, b, c = run(0), run(0), run(1)
+    assert [r.tokens for r in a] == [r.tokens for r in b]
+    assert [r.tokens for r in a] != [r.tokens for r in c]
+    m = speculative.acceptance(a, 3)
+    assert m["rounds"] == sum(r.rounds for r in a) and m["acceptance_length"] >= 1
+    assert all(len(r.tokens) == 16 or r.tokens[-1] == 2 for r in a)  # max_new or the stop id

@@ -187,6 +187,12 @@ def cmd_compare(args: argparse.Namespace) -> None:
         print(extra)
 
 
+def cmd_report(args: argparse.Namespace) -> None:
+    from eaglet import report
+
+    print(report.write(_params(args), args.drafter, args.out))
+
+
 def cmd_path(args: argparse.Namespace) -> None:
     from eaglet.keys import Keys
 
@@ -280,6 +286,12 @@ def parser() -> argparse.ArgumentParser:
         "--params", default="params.yaml", help="params file, relative to the repository"
     )
     p.set_defaults(fn=cmd_compare)
+
+    p = sub.add_parser("report", help="one HTML page: acceptance, training curves, provenance")
+    p.add_argument("drafter", help="drafter name from params.yaml")
+    p.add_argument("--out", type=Path, help="write here (default: reports/<drafter>.html)")
+    _add_common(p)
+    p.set_defaults(fn=cmd_report)
 
     p = sub.add_parser("path", help="print the current keyed path of an artifact")
     p.add_argument("stage")

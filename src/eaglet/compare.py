@@ -123,8 +123,32 @@ def compare(repo: Path, rev_a: str, rev_b: str, params_rel: str = "params.yaml")
             if va is None and vb is None:
                 continue
             rows.append({"row": label, "a": va, "b": vb, "note": "", "changed": []})
+        ea, eb = (_stats(root, k.get(("evaluate", name))) for k in (ka, kb))
+        rows += _suite_rows(ea.get("suites") or {}, eb.get("suites") or {})
         tables.append({"kind": kind, "name": name, "rows": rows})
     return tables
+
+
+def _suite_label(flat_key: str) -> str:
+    """natural.vllm_temperature_0.7.num_steps_3 -> natural: vLLM t=0.7, 3 steps."""
+    suite, _, rest = flat_key.partition(".")
+    what, _, steps = rest.rpartition(".num_steps_")
+    if not what:
+        return f"{suite}: {rest}"
+    who, _, t = what.partition("_temperature_")
+    return f"{suite}: {'vLLM' if who == 'vllm' else who} t={t}, {steps} steps"
+
+
+def _suite_rows(a: dict, b: dict) -> list[dict]:
+    """Acceptance length per suite, temperature and num_steps of each side, suite by suite."""
+    fa, fb = _flat(a), _flat(b)
+    rows = []
+    for k in dict.fromkeys([*fa, *fb]):
+        if ".greedy_equal." in k:
+            continue
+        rows.append({"row": _suite_label(k), "a": fa.get(k), "b": fb.get(k), "note": ""})
+        rows[-1]["changed"] = []
+    return rows
 
 
 def _stage_order(rows: dict) -> object:

@@ -1,11 +1,13 @@
 """Acceptance measured by a serving engine: vLLM serves the target with the drafter's vLLM export.
 
 One server without the drafter (plain greedy: the reference outputs and tokens/s), then one per
-`num_steps` with `--speculative-config {"method": "eagle3", ...}`. Each runs the same held-out
-prompts (token ids in, `/v1/completions`, greedy, the target's stop ids) and the speculative
-counters of `GET /metrics` are read before and after, so the numbers are the run's deltas: mean
-acceptance length = 1 + accepted / drafts (vLLM's definition), the acceptance rate per draft
-position (given the positions before it), tokens/s with and without the drafter.
+`num_steps` with `--speculative-config {"method": "eagle3", ...}`. Each runs every suite's
+prompts (token ids in, `/v1/completions`, the target's stop ids), the speculative server once per
+temperature: 0 is greedy, above 0 is speculative sampling (vLLM's rejection sampler; request i
+seeded with seed + i). The speculative counters of `GET /metrics` are read before and after each
+(suite, temperature) run, so the numbers are its deltas: mean acceptance length = 1 + accepted /
+drafts (vLLM's definition), the acceptance rate per draft position (given the positions before
+it), tokens/s with and without the drafter.
 """
 
 from __future__ import annotations
@@ -21,23 +23,45 @@ from eaglet.engines.vllm import Engine, ServeConfig, eagle3, spec_counters
 from eaglet.speculative import against_greedy
 
 
-def complete(http: httpx.Client, model: str, prompt: list[int], max_new: int, stop: list[int]):
-    """One greedy completion of `prompt` (token ids): its output ids."""
+def temperature_key(t: float) -> str:
+    """How a temperature names its results: temperature_0, temperature_0.7."""
+    return f"temperature_{t:g}"
+
+
+def complete(
+    http: httpx.Client,
+    model: str,
+    prompt: list[int],
+    max_new: int,
+    stop: list[int],
+    temperature: float = 0.0,
+    seed: int = 0,
+):
+    """One completion of `prompt` (token ids): its output ids (sampled with `seed` if t > 0)."""
     body = {
         "model": model,
         "prompt": prompt,
         "max_tokens": max_new,
-        "temperature": 0.0,
+        "temperature": temperature,
         "stop_token_ids": stop,
         "return_token_ids": True,
     }
+    if temperature > 0:
+        body["seed"] = seed
     r = http.post("/v1/completions", json=body)
     r.raise_for_status()
     return r.json()["choices"][0]["token_ids"]
 
 
 def run(
-    engine: Engine, model: str, prompts: list[list[int]], max_new: int, stop: list[int], conc: int
+    engine: Engine,
+    model: str,
+    prompts: list[list[int]],
+    max_new: int,
+    stop: list[int],
+    conc: int,
+    temperature: float = 0.0,
+    seed: int = 0,
 ) -> dict:
     """Every prompt through the engine (`conc` at a time); outputs, seconds and counter deltas."""
     before = spec_counters(engine.metrics())
@@ -46,7 +70,12 @@ def run(
         httpx.Client(base_url=engine.url, timeout=3600.0, trust_env=False) as http,
         ThreadPoolExecutor(conc) as pool,
     ):
-        outputs = list(pool.map(lambda p: complete(http, model, p, max_new, stop), prompts))
+        outputs = list(
+            pool.map(
+                lambda ip: complete(http, model, ip[1], max_new, stop, temperature, seed + ip[0]),
+                enumerate(prompts),
+            )
+        )
     seconds = time.perf_counter() - t0
     delta = spec_counters(engine.metrics()) - before
     tokens = sum(len(o) for o in outputs)
@@ -56,32 +85,49 @@ def run(
 def measure(
     serve: ServeConfig,
     export: Path,
-    prompts: list[list[int]],
-    num_steps: list[int],
-    max_new: int,
+    suites: dict[str, list[list[int]]],
+    cfg: dict,
     stop: list[int],
-    concurrency: int = 1,
     startup_timeout_s: float = 900.0,
     log: Path | None = None,
 ) -> dict:
-    """Plain and speculative runs of the prompts on the engine; metrics per num_steps."""
+    """Plain and speculative runs of every suite on the engine. `cfg`: the evaluate settings
+    (num_steps, max_new_tokens, temperatures, seed, engine_concurrency). Per suite: its greedy
+    outputs and tokens/s, and per temperature and num_steps the speculative metrics."""
+    max_new, conc = cfg["max_new_tokens"], cfg["engine_concurrency"]
     out: dict = {"engine": "vllm", "dtype": serve.dtype, "enforce_eager": serve.enforce_eager}
-    out["concurrency"] = concurrency
+    out["concurrency"] = conc
     with Engine(serve, log=log, startup_timeout_s=startup_timeout_s) as engine:
-        plain = run(engine, serve.served_name, prompts, max_new, stop, concurrency)
+        plain = {
+            n: run(engine, serve.served_name, p, max_new, stop, conc) for n, p in suites.items()
+        }
     startup = {"plain": engine.startup_s}
-    greedy_tps = plain["tokens"] / plain["seconds"]
-    out["greedy_tokens_per_s"] = round(greedy_tps, 2)
-    out["greedy_outputs"] = plain["outputs"]
-    for s in num_steps:
+    per_suite: dict = {}
+    for name, r in plain.items():
+        tps = r["tokens"] / r["seconds"]
+        per_suite[name] = {"greedy_tokens_per_s": round(tps, 2), "greedy_outputs": r["outputs"]}
+    for s in cfg["num_steps"]:
         spec = dataclasses.replace(serve, speculative=eagle3(export.resolve(), s))
         with Engine(spec, log=log, startup_timeout_s=startup_timeout_s) as engine:
-            r = run(engine, serve.served_name, prompts, max_new, stop, concurrency)
+            for name, prompts in suites.items():
+                for t in cfg["temperatures"]:
+                    r = run(engine, serve.served_name, prompts, max_new, stop, conc, t, cfg["seed"])
+                    m = _speculative(r, plain[name] if t == 0 else None)
+                    per_suite[name].setdefault(temperature_key(t), {})[f"num_steps_{s}"] = m
         startup[f"num_steps_{s}"] = engine.startup_s
-        m = r["counters"].summary()
-        tps = r["tokens"] / r["seconds"]
-        same = [a == b for a, b in zip(r["outputs"], plain["outputs"], strict=True)]
-        m.update(generated_tokens=r["tokens"], **against_greedy(same, tps, greedy_tps))
-        out[f"num_steps_{s}"] = m
+    out["suites"] = per_suite
     out["startup_s"] = startup
     return out
+
+
+def _speculative(r: dict, plain: dict | None) -> dict:
+    """A speculative run's metrics; against the plain greedy run when it is greedy too."""
+    m = r["counters"].summary()
+    tps = r["tokens"] / r["seconds"]
+    m["generated_tokens"] = r["tokens"]
+    if plain is None:  # sampled: no reference text, tokens/s alone
+        m["tokens_per_s"] = round(tps, 2)
+        return m
+    same = [a == b for a, b in zip(r["outputs"], plain["outputs"], strict=True)]
+    m.update(against_greedy(same, tps, plain["tokens"] / plain["seconds"]))
+    return m

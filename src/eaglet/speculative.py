@@ -1,5 +1,6 @@
-"""Greedy chain speculative decoding of a target with an EAGLE-3 drafter, and the plain greedy
-decoding it must reproduce token for token; every prompt of a call decodes in one batch.
+"""Chain speculative decoding of a target with an EAGLE-3 drafter, greedy (reproducing plain
+greedy decoding token for token) or sampled (speculative sampling: the output is distributed as
+the target's); every prompt of a call decodes in one batch.
 
 A round: the drafter proposes `num_steps` tokens in a chain from the last verified position;
 the target scores the current token and the proposals in one forward pass, keeps the longest
@@ -7,6 +8,13 @@ prefix of proposals equal to its own argmax, and adds its next token (the bonus)
 then reads the target's features of the new positions (step-0 entries, as in training) and
 proposes again. Acceptance length, SGLang's definition: generated tokens / verification rounds,
 the bonus token included.
+
+Sampling at temperature T (`Sampling`): the drafter samples each proposal x_k from its own
+distribution q_k (softmax of its logits / T over the draft vocabulary); the target accepts it
+with probability min(1, p_k(x_k) / q_k(x_k)), p_k its softmax / T, and at the first rejection
+samples from the residual max(p_k - q_k, 0) normalized; with every proposal accepted the bonus
+token is sampled from p. That is the standard rejection rule (Leviathan et al. 2023, Chen et al.
+2023): each emitted token is distributed as the target's own sampling would emit it.
 
 Batching: the rows share one target KV cache that grows by `num_steps + 1` slots a round.
 Prompts are left-padded; a row's padding and its rejected proposals stay in the cache as slots
@@ -35,6 +43,31 @@ class Decoded:
         return len(self.accepted)
 
 
+@dataclass
+class Sampling:
+    """Speculative sampling at `temperature` > 0, drawing from `generator`."""
+
+    temperature: float
+    generator: torch.Generator
+
+    def probs(self, logits: Tensor) -> Tensor:
+        return torch.softmax(logits.float() / self.temperature, dim=-1)
+
+    def draw(self, probs: Tensor) -> int:
+        return int(torch.multinomial(probs.cpu(), 1, generator=self.generator))
+
+    def accept(self, p: Tensor, q: Tensor, drafts: list[int]) -> tuple[int, int]:
+        """The rejection rule over one chain: target distributions `p` [K + 1, V] (the last
+        for the bonus token), draft distributions `q` [K, V] (target ids), the proposals drawn
+        from q. Returns (proposals accepted, the token emitted after them)."""
+        u = torch.rand(len(drafts), generator=self.generator)
+        for k, x in enumerate(drafts):
+            if u[k] * q[k, x] >= p[k, x]:  # rejected: u >= p / q
+                residual = (p[k] - q[k]).clamp(min=0)
+                return k, self.draw(residual / residual.sum())
+        return len(drafts), self.draw(p[len(drafts)])
+
+
 class Target:
     """The target model over a batch of sequences, returning argmax ids and aux states."""
 
@@ -51,8 +84,9 @@ class Target:
     def forward(
         self, ids: Tensor, pos: Tensor, mask: Tensor, cache, aux: bool = False
     ) -> tuple[Tensor, Tensor | None]:
-        """Argmax next ids [B, T] after each of `ids` [B, T] at positions `pos` [B, T], seeing
-        the cache slots where `mask` [B, slots + T] holds; the aux states [B, T, K, H] if asked."""
+        """Next-token logits [B, T, V] after each of `ids` [B, T] at positions `pos` [B, T],
+        seeing the cache slots where `mask` [B, slots + T] holds; the aux states [B, T, K, H]
+        if asked."""
         out = self.model(
             input_ids=ids,
             position_ids=pos,
@@ -64,7 +98,7 @@ class Target:
         states = None
         if aux:
             states = torch.stack([out.hidden_states[i] for i in self.index], dim=2)
-        return out.logits.argmax(-1), states
+        return out.logits, states
 
 
 def _done(tokens: list[int], new: int, max_new: int, stop: set[int]) -> bool:
@@ -105,12 +139,15 @@ def decode(
     drafter: Drafter | None = None,
     num_steps: int = 0,
     ended: Callable[[Decoded], None] | None = None,
+    sampling: Sampling | None = None,
 ) -> list[Decoded]:
-    """Greedy decoding of every prompt, BATCH at a time: plain without a drafter, else chain
-    speculative with `num_steps` drafts a round. `ended` is called as each prompt ends."""
+    """Decoding of every prompt, BATCH at a time, greedy or with `sampling`: plain without a
+    drafter, else chain speculative with `num_steps` drafts a round. `ended` is called as each
+    prompt ends."""
     out: list[Decoded] = []
     for i in range(0, len(prompts), BATCH):
-        out += _batch(target, prompts[i : i + BATCH], max_new, stop, drafter, num_steps, ended)
+        batch = prompts[i : i + BATCH]
+        out += _batch(target, batch, max_new, stop, drafter, num_steps, ended, sampling)
     return out
 
 
@@ -123,6 +160,7 @@ def _batch(
     drafter: Drafter | None,
     num_steps: int,
     ended: Callable[[Decoded], None] | None,
+    sampling: Sampling | None,
 ) -> list[Decoded]:
     """Decode the prompts as one batch (the module docstring says how)."""
     dev = target.device
@@ -132,10 +170,14 @@ def _batch(
     ids = torch.tensor([[p[0]] * (width - len(p)) + p for p in prompts], device=dev)
     mask = slots >= pad[:, None]
     cache = target.new_cache()
-    nxt, aux = target.forward(
+    logits, aux = target.forward(
         ids, (slots - pad[:, None]).clamp(min=0), mask, cache, drafter is not None
     )
-    rows = [_Row([int(nxt[i, -1])], len(p)) for i, p in enumerate(prompts)]
+    first = [sampling.draw(sampling.probs(x)) for x in logits[:, -1]] if sampling else None
+    rows = [
+        _Row([first[i] if first else int(logits[i, -1].argmax())], len(p))
+        for i, p in enumerate(prompts)
+    ]
     if drafter is not None:  # step-0 entries: position s reads the features of s and token s+1
         for i, (row, p) in enumerate(zip(rows, prompts, strict=True)):
             feats = drafter.features(aux[i : i + 1, width - len(p) :].to(drafter.fc.weight.dtype))
@@ -160,7 +202,8 @@ def _batch(
             cache.batch_select_indices(index)
             mask = mask[index]
             live = [live[j] for j in keep]
-        drafts = [_chain(drafter, rows[i], num_steps, dev) if drafter else [] for i in live]
+        chains = [_chain(drafter, rows[i], num_steps, dev, sampling) for i in live]
+        drafts = [d for d, _ in chains]
         ids = torch.tensor(
             [[rows[i].tokens[-1], *d] for i, d in zip(live, drafts, strict=True)], device=dev
         )
@@ -168,13 +211,12 @@ def _batch(
         pos = torch.tensor([rows[i].verified for i in live], device=dev)[:, None] + span
         past = mask.shape[1]
         mask = torch.cat([mask, torch.ones_like(ids, dtype=torch.bool)], dim=1)
-        nxt, aux = target.forward(ids, pos, mask, cache, drafter is not None)
-        for j, (i, d) in enumerate(zip(live, drafts, strict=True)):
-            row, n = rows[i], 0
-            while n < num_steps and d[n] == int(nxt[j, n]):
-                n += 1
+        logits, aux = target.forward(ids, pos, mask, cache, drafter is not None)
+        for j, (i, (d, q)) in enumerate(zip(live, chains, strict=True)):
+            row = rows[i]
+            n, nxt = _verify(logits[j], d, q, sampling)
             mask[j, past + n + 1 :] = False  # the rejected proposals' slots
-            new = [*d[:n], int(nxt[j, n])]
+            new = [*d[:n], nxt]
             if drafter is not None:
                 row.cache.crop(row.verified)
                 p = torch.arange(row.verified, row.verified + n + 1, device=dev)
@@ -186,16 +228,45 @@ def _batch(
             row.tokens += new
 
 
-def _chain(drafter: Drafter, row: _Row, num_steps: int, dev) -> list[int]:
-    """The drafter's chain of `num_steps` proposals from the row's last verified position."""
-    last, drafts = row.last, []
+def _verify(
+    logits: Tensor, drafts: list[int], q: Tensor | None, sampling: Sampling | None
+) -> tuple[int, int]:
+    """(proposals accepted, the target's token after them) for one row's chain, the target's
+    `logits` [K + 1, V] at the verified token and each proposal: the longest prefix equal to
+    its argmax, or the rejection rule when sampling (q: the draft distributions)."""
+    if sampling is not None and drafts:
+        return sampling.accept(sampling.probs(logits), q, drafts)
+    if sampling is not None:
+        return 0, sampling.draw(sampling.probs(logits[0]))
+    best = logits.argmax(-1).tolist()
+    n = 0
+    while n < len(drafts) and drafts[n] == best[n]:
+        n += 1
+    return n, best[n]
+
+
+def _chain(
+    drafter: Drafter | None, row: _Row, num_steps: int, dev, sampling: Sampling | None
+) -> tuple[list[int], Tensor | None]:
+    """The drafter's chain of `num_steps` proposals from the row's last verified position:
+    argmax, or drawn from its distributions when sampling (returned over target ids)."""
+    if drafter is None:
+        return [], None
+    last, drafts, qs = row.last, [], []
     for k in range(num_steps):  # position verified - 1 + k reads draft k - 1
-        draft = drafter.to_target(drafter.logits(last).argmax(-1))
+        logits = drafter.logits(last).reshape(-1)
+        if sampling is None:
+            draft = drafter.to_target(logits.argmax(-1, keepdim=True))
+        else:
+            q = sampling.probs(logits)
+            draft = drafter.to_target(torch.tensor([sampling.draw(q)], device=dev))
+            full = torch.zeros(drafter.t2d.numel(), device=q.device)
+            qs.append(full.index_copy_(0, drafter.to_target(torch.arange(len(q), device=dev)), q))
         drafts.append(int(draft))
         if k + 1 < num_steps:
             p = torch.tensor([row.verified + k], device=dev)
-            last = drafter.step(last, draft, p, row.cache)
-    return drafts
+            last = drafter.step(last, draft.reshape(1, 1), p, row.cache)
+    return drafts, torch.stack(qs) if qs else None
 
 
 def acceptance(results: list[Decoded], num_steps: int) -> dict:

@@ -140,13 +140,31 @@ def _summary(row: dict) -> str:
         text = f"{st['steps']} steps, loss {st['final_loss']:.3f}, held-out acc@0 {acc[0]:.2f}"
         return text + (f", supervised {shares}" if shares else "")
     if row["stage"] == "evaluate" and st:
-        als = [f"{v:.2f}" for k, v in st.items() if k.startswith("acceptance_length_n") and v]
-        eq = all(v for k, v in st.items() if k.startswith("greedy_equal_"))
-        engine = [f"{v:.2f}" for k, v in st.items() if k.startswith("vllm_acceptance_") and v]
-        if engine:
-            return f"vLLM acceptance length {' / '.join(engine)} (eaglet {' / '.join(als)})"
-        return f"acceptance length {' / '.join(als)}, greedy equal: {eq}"
+        return _acceptance(st)
     return ""
+
+
+def _values(runs: dict) -> str:
+    return "/".join(f"{v:.2f}" if v is not None else "?" for v in runs.values())
+
+
+def _acceptance(st: dict) -> str:
+    """Acceptance length per suite and temperature: the engine's, and eaglet's own."""
+    suites = st["suites"].values()
+    engine = any(k.startswith("vllm_") for s in suites for k in s)
+    parts = []
+    for name, s in st["suites"].items():
+        who = "vllm_" if engine else "eaglet_"
+        temps = [k for k in s if k.startswith(f"{who}temperature_")]
+        shown = ", ".join(
+            f"t={k.removeprefix(f'{who}temperature_')} {_values(s[k])}" for k in temps
+        )
+        if engine and "eaglet_temperature_0" in s:
+            shown += f" (eaglet t=0 {_values(s['eaglet_temperature_0'])})"
+        if not all(s["greedy_equal"].values()):
+            shown += " NOT greedy-equal"
+        parts.append(f"{name} {shown}")
+    return f"{'vLLM ' if engine else ''}acceptance length: " + "; ".join(parts)
 
 
 def show(params: Params, as_json: bool = False) -> None:
