@@ -173,12 +173,9 @@ def attend(
     if not diagonal and past == 0 and q.shape[2] == k.shape[2]:  # plain causal: the fused kernel
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
     groups = q.shape[1] // k.shape[1]
-
-    def heads(x: Tensor) -> Tensor:  # kv heads repeated to the query heads (a copy unless MHA)
-        return x if groups == 1 else x.repeat_interleave(groups, dim=1)
-
-    k, v = heads(k), heads(v)
-    dk, dv = [heads(kd) for kd, _ in diagonal], [heads(vd) for _, vd in diagonal]
+    if groups > 1:  # kv heads repeated to the query heads; the diagonal ones broadcast instead
+        k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+    dk, dv = [kd for kd, _ in diagonal], [vd for _, vd in diagonal]
     b, h, t, _ = q.shape
     rows = max(1, (scores or SCORES) // (b * h * k.shape[2]))
     out = []
@@ -197,17 +194,22 @@ def attend(
 def _attend_rows(
     q: Tensor, k: Tensor, v: Tensor, start: int, dk: list[Tensor], dv: list[Tensor]
 ) -> Tensor:
-    """attend() for the queries at positions start.. over keys of the same head count."""
-    scale = q.shape[-1] ** -0.5
-    qpos = torch.arange(q.shape[2], device=q.device)[:, None] + start
+    """attend() for the queries at positions start.., over keys k, v of the query head count
+    and diagonal keys dk, dv of any (kv) head count: query heads h*g..h*g+g-1 read kv head h."""
+    b, h, t, d = q.shape
+    scale = d**-0.5
+    qpos = torch.arange(t, device=q.device)[:, None] + start
     causal = qpos >= torch.arange(k.shape[2], device=q.device)[None, :]
     scores = [(q @ k.transpose(-2, -1) * scale).masked_fill(~causal, float("-inf"))]
-    scores += [(q * kd).sum(-1, keepdim=True) * scale for kd in dk]
+    kv = dk[0].shape[1] if dk else h
+    per_kv = q.view(b, kv, h // kv, t, d)  # query heads grouped under their kv head
+    scores += [(per_kv * kd[:, :, None]).sum(-1).reshape(b, h, t, 1) * scale for kd in dk]
     w = torch.softmax(torch.cat(scores, dim=-1).float(), dim=-1).to(q.dtype)
     s = k.shape[2]
     out = w[..., :s] @ v
     for j, vd in enumerate(dv):
-        out = out + w[..., s + j : s + j + 1] * vd
+        wj = w[..., s + j : s + j + 1].view(b, kv, h // kv, t, 1)
+        out = out + (wj * vd[:, :, None]).reshape(b, h, t, d)
     return out
 
 
