@@ -116,9 +116,11 @@ def test_overlong_samples_are_cut_or_skipped_and_counted():
 
 
 def test_a_sample_that_would_not_fit_the_gpu_is_one_error_before_training():
-    from eaglet import train, train_memory
+    from eaglet import drafter, train, train_memory
     from eaglet.drafter import DrafterConfig
     from eaglet.errors import EagletError
+
+    assert (train_memory.LOGITS, train_memory.SCORES) == (train.LOGITS, drafter.SCORES)
 
     cfg = DrafterConfig(
         vocab_size=1000, draft_vocab_size=100, hidden_size=64, target_hidden_size=64,

@@ -55,7 +55,7 @@ def shift(x: Tensor, n: int) -> Tensor:
     return torch.cat([x[:, n:], pad], dim=1)
 
 
-LOGITS = 2**24  # logits held at once by the loss and the argmax check (fp32: 64 MiB)
+LOGITS = 2**23  # logits held at once by the loss and the argmax check (fp32: 32 MiB)
 
 
 class TargetHead:

@@ -29,7 +29,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 GIB = 2**30
-LOGITS = 2**24  # = train.LOGITS (not imported: this module stays free of torch)
+LOGITS = 2**23  # = train.LOGITS (not imported: this module stays free of torch)
 SCORES = 2**24  # = drafter.SCORES
 OVERHEAD = 2 * GIB  # CUDA context, cuBLAS workspaces, caching-allocator slack (an assumption)
 # measured per-token peak / derived per-token, by compute dtype (benchmarks/train_memory.py,
