@@ -195,7 +195,7 @@ def _attend_rows(
     q: Tensor, k: Tensor, v: Tensor, start: int, dk: list[Tensor], dv: list[Tensor]
 ) -> Tensor:
     """attend() for the queries at positions start.., over keys k, v of the query head count
-    and diagonal keys dk, dv of any (kv) head count: query heads h*g..h*g+g-1 read kv head h."""
+    and diagonal keys dk, dv of the kv head count (query head i reads kv head i // groups)."""
     b, h, t, d = q.shape
     scale = d**-0.5
     qpos = torch.arange(t, device=q.device)[:, None] + start

@@ -133,19 +133,27 @@ def ttt_sums(
 
     Positions go in chunks of at most LOGITS logits, each forming its logits and p, using and
     dropping them; under autograd, when there is more than one chunk, a chunk is recomputed in
-    backward rather than kept, so memory does not grow with draft vocab x TTT steps."""
+    backward rather than kept, so memory does not grow with draft vocab x TTT steps. When every
+    position read fits one chunk, p is formed once for them all and shared by the steps."""
     rows = max(1, LOGITS // len(head.draft))
     flat = last.flatten(0, 1)
     index = torch.arange(len(flat), device=last.device).view(last.shape[:2])
+    reads = [at(index, mk, k + 1) for k, mk in enumerate(masks)]  # where each step's p is
+    read = torch.cat(reads).unique()
+    p_read = slot = None
+    if len(read) <= rows:  # a short batch: p formed once for every position read, shared
+        slot = torch.zeros(len(flat), dtype=torch.long, device=last.device)
+        slot[read] = torch.arange(len(read), device=last.device)
+        p_read = head.p(flat[read])
 
     def sums(state: Tensor, where: Tensor) -> tuple[Tensor, Tensor]:
         logits = model.logits(state).float()
-        p = head.p(flat[where])
+        p = head.p(flat[where]) if p_read is None else p_read[slot[where]]
         return -(p * F.log_softmax(logits, dim=-1)).sum(), (logits.argmax(-1) == p.argmax(-1)).sum()
 
     ce, hits = [], []
-    for k, (sk, mk) in enumerate(zip(states, masks, strict=True)):
-        chunks = list(zip(sk.split(rows), at(index, mk, k + 1).split(rows), strict=True))
+    for sk, where in zip(states, reads, strict=True):
+        chunks = list(zip(sk.split(rows), where.split(rows), strict=True))
         recompute = torch.is_grad_enabled() and len(chunks) > 1
         parts = [
             checkpoint(sums, *c, use_reentrant=False) if recompute else sums(*c) for c in chunks

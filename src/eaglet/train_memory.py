@@ -92,7 +92,7 @@ def layer_bytes(s: Shape, dtype: str) -> float:
     inputs = 3 * 2 * h * a if bf16 else 2 * h * f  # q/k/v read cat(...): cast thrice, or as is
     mlp_in = 2 * h * a if bf16 else h * f  # gate and up read the post-attention norm
     attention = 2 * q * a  # rotated queries, the output reshaped for o_proj
-    repeats = 0 if q == kv else 2 * (2 + 2 * (s.steps - 1)) * q * a  # GQA copies, their grads
+    repeats = 0 if q == kv else 4 * q * a  # GQA: step-0 keys, values per query head; grads
     mlp = 4 * i * a + 3 * i * a  # gate, up, silu, product; then their gradients in backward
     residual = h * a + 2 * h * f  # the attention residual; gradient transients
     return embedding + norms + inputs + mlp_in + attention + repeats + mlp + residual
