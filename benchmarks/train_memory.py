@@ -1,17 +1,22 @@
 """Claims: (1) the training step's peak memory is fixed + per-token x T; (2) at Kimi-K2.5's
 draft vocab and TTT depth (32,000, 7) the per-token part stays within 1.5x of the demo's
-(4,096, 3) at the same width; (3) the per-token part that eaglet.train_memory derives from the
-architecture matches the measured one; (4) the demo's step time, this tree against another.
+(4,096, 3) at the same width; (3) eaglet.train_memory's per-token derivation against the
+measurement; (4) the demo's step time, this tree against another.
 
-Every point runs `train.fit` (what `eaglet train` runs) for one optimizer step (batch 1,
-fp32) on one random sample of T tokens, in a fresh process: drafter, frozen embeddings and
-target head, AdamW. Peak = the rise of the process's peak RSS (ru_maxrss) over its RSS before
-fit. Per setting, least squares over T gives fixed + per_token x T; the table puts next to it
-eaglet.train_memory's per-token figure for that width (fp32) and its fixed part.
+Every point runs `train.fit` (what `eaglet train` runs) for one optimizer step (batch 1, fp32)
+on one random sample of T tokens, in a fresh process: drafter, frozen embeddings and target
+head, AdamW. Peak = the rise of the process's peak RSS (ru_maxrss) over its RSS before fit.
+Per setting, least squares over T gives fixed + per_token x T, printed next to
+eaglet.train_memory's derived per-token figure (fp32, the collated batch in the same memory).
+Then the Kimi-K2.5 projection (arithmetic only). Widths other than 576 (the demo's own shape)
+are Kimi's drafter scaled down: MHA, heads of 128, MLP 18432/7168 x H.
 
     .venv/bin/python benchmarks/train_memory.py [--widths 256 576] [--lengths 2560 5120]
-    .venv/bin/python benchmarks/train_memory.py --time-against /tmp/old-src [--steps 20]
+        [--settings demo kimi] [--jobs 2] [--save points.json]
+    .venv/bin/python benchmarks/train_memory.py --points points.json   # the tables again
+    .venv/bin/python benchmarks/train_memory.py --time-against /tmp/old/src [--steps 20]
 
+Lengths above drafter.RECOMPUTE (2,048 positions), where long samples train.
 --time-against: the demo setting (width 576, 3 steps, vocab 4,096; 4 samples of 300 tokens a
 step) trained --steps steps by this tree's src and by the given src folder (e.g. `git archive
 HEAD src | tar -x -C /tmp/old`, then /tmp/old/src), alternately, --runs times each.
@@ -140,7 +145,7 @@ def measure(args) -> dict:
     """Every (setting, width, T) point, --jobs at a time, each in its own process."""
     from concurrent.futures import ThreadPoolExecutor
 
-    points = [(st, w, t) for w in args.widths for st in SETTINGS for t in args.lengths]
+    points = [(st, w, t) for w in args.widths for st in args.settings for t in args.lengths]
     with ThreadPoolExecutor(args.jobs) as pool:
         runs = pool.map(lambda p: child(ROOT / "src", *p, 1, 1, args.threads), points)
         print(f"{'setting':<6} {'width':>5} {'T':>6} {'s':>7} {'peak MiB':>9}", flush=True)
@@ -172,7 +177,7 @@ def table(points: dict) -> None:
             vocab=v, steps=ttt,
         )  # fmt: skip
         derived = train_memory.per_token(shape, "float32", host_batch=True) / 2**20
-        ratio = per / fits[f"demo {width}"][1]
+        ratio = per / fits.get(f"demo {width}", (0, float("nan")))[1]
         print(f"| {width} | {setting} ({vd:,}, {ttt}) | {fixed:,.0f} | {per * 1024:,.0f} | "
               f"{ratio:.2f}x | {derived * 1024:,.0f} | {per / derived:.2f} |")  # fmt: skip
 
@@ -214,6 +219,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--widths", type=int, nargs="+", default=[256, 576])
     ap.add_argument("--lengths", type=int, nargs="+", default=[2560, 5120])
+    ap.add_argument("--settings", nargs="+", default=list(SETTINGS), choices=list(SETTINGS))
     ap.add_argument("--threads", type=int, default=1, help="per process")
     ap.add_argument("--jobs", type=int, default=2, help="processes at once")
     ap.add_argument("--save", default="train_memory.json", help="the points, as JSON")

@@ -32,9 +32,9 @@ GIB = 2**30
 LOGITS = 2**23  # = train.LOGITS (not imported: this module stays free of torch)
 SCORES = 2**24  # = drafter.SCORES
 OVERHEAD = 2 * GIB  # CUDA context, cuBLAS workspaces, caching-allocator slack (an assumption)
-# measured per-token peak / derived per-token, by compute dtype (benchmarks/train_memory.py,
-# 2026-12-04, widths 576 and 1024, demo and Kimi vocab/steps, on the project's 2-core CPU)
-CALIBRATION = {"float32": 1.0, "bfloat16": 1.0}
+# measured per-token peak / derived per-token, the largest over benchmarks/train_memory.py's
+# points (fp32, this project's 2-core CPU, docs/drafter.md), never below 1; applied to bf16 too
+CALIBRATION = 1.0
 
 
 @dataclass(frozen=True)
@@ -133,7 +133,7 @@ def estimate(s: Shape, tokens: int, dtype: str = "bfloat16", device: str = "cuda
     fixed = fixed_bytes(s, dtype)
     if device == "cuda":
         fixed["CUDA context and allocator (assumed)"] = OVERHEAD
-    per = per_token(s, dtype, host_batch=device == "cpu") * CALIBRATION[dtype]
+    per = per_token(s, dtype, host_batch=device == "cpu") * CALIBRATION
     return {
         "fixed_items": fixed,
         "fixed": sum(fixed.values()),
