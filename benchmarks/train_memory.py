@@ -127,6 +127,10 @@ def one(setting: str, width: int, t: int, samples: int, steps: int, threads: int
 def child(src: Path, *args) -> dict:
     cmd = [sys.executable, __file__, "--one", *map(str, args)]
     env = {"PYTHONPATH": str(src), "PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": str(args[-1])}
+    # every buffer of 128 KiB or more mmapped and returned when freed: RSS follows live tensors.
+    # glibc otherwise raises its threshold to the largest freed buffer (up to 32 MiB) and keeps
+    # later ones in a heap that does not shrink (the loss chunks at 32,000: 31.98 MiB)
+    env["MALLOC_MMAP_THRESHOLD_"] = "131072"
     r = subprocess.run(cmd, capture_output=True, text=True, env=env)
     if r.returncode:
         raise RuntimeError(r.stderr.strip().splitlines()[-1])

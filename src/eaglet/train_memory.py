@@ -19,8 +19,7 @@ DDP's all-reduce buckets are the gradients themselves), the frozen embeddings [V
 target head (draft rows fp32, the other rows in the compute dtype), the loss chunk's and the
 attention chunk's working sets, and the CUDA context and allocator slack (OVERHEAD, assumed).
 
-The derived per-token figure is multiplied by CALIBRATION (see there: the CPU measurement
-does not yet confirm the derivation in the Kimi setting).
+The derived per-token figure is multiplied by CALIBRATION (see there).
 """
 
 from __future__ import annotations
@@ -31,10 +30,9 @@ GIB = 2**30
 LOGITS = 2**23  # = train.LOGITS (not imported: this module stays free of torch)
 SCORES = 2**24  # = drafter.SCORES
 OVERHEAD = 2 * GIB  # CUDA context, cuBLAS workspaces, caching-allocator slack (an assumption)
-# a factor on the derived per-token figure. 1.0: the derivation as is. The CPU check
-# (benchmarks/train_memory.py, docs/drafter.md) matched the demo setting (measured/derived 0.77)
-# but measured 2.9x the derivation in the Kimi setting (32,000 draft vocab, 7 steps), not yet
-# explained: read docs/drafter.md before trusting a "fits"
+# a factor on the derived per-token figure; 1.0: the derivation as is (the CPU check in
+# docs/drafter.md: measured/derived 0.77 in the demo setting; the Kimi setting's first points
+# measured glibc's heap, their rerun with MALLOC_MMAP_THRESHOLD_ is recorded there)
 CALIBRATION = 1.0
 
 
