@@ -117,8 +117,13 @@ def _rope(x, pos, theta=10000.0):
     return out
 
 
-def test_two_ttt_steps_against_a_hand_computed_loss():
-    """The loss of ttt_length=2 on a tiny config, recomputed position by position."""
+@pytest.mark.parametrize("chunked", [False, True])
+def test_two_ttt_steps_against_a_hand_computed_loss(monkeypatch, chunked):
+    """The loss of ttt_length=2 on a tiny config, recomputed position by position; also with
+    the loss in chunks of one position and every TTT step recomputed in backward."""
+    if chunked:
+        monkeypatch.setattr(train, "LOGITS", 1)
+        monkeypatch.setattr(drafter_module, "RECOMPUTE", 0)
     torch.manual_seed(2)
     cfg = tiny_config()
     model = Drafter(cfg)
@@ -133,9 +138,10 @@ def test_two_ttt_steps_against_a_hand_computed_loss():
     loss_mask = torch.tensor([[False, True, True, True, True, True]])
 
     # the library: target distribution, masks, per-step sums, weighted normalized loss
-    p, in_vocab = train.TargetHead(lm_head, model.t2d)(last, train.shift(loss_mask, 1), [(0, "s")])
+    head = train.TargetHead(lm_head, model.t2d)
+    in_vocab = head(last, train.shift(loss_mask, 1), [(0, "s")])
     masks = train.step_masks(loss_mask, in_vocab, 2)
-    ce, _ = train.ttt_sums(model(aux, ids, 2, masks), p, masks)
+    ce, _ = train.ttt_sums(model, model(aux, ids, 2, masks, head=False), last, masks, head)
     counts = torch.stack([m.sum() for m in masks]).float()
     got = (torch.tensor([1.0, 0.8]) * ce / counts).sum()
 
@@ -217,9 +223,10 @@ def _attend_full(q, k, v, past, diagonal):
     return out
 
 
-def test_argmax_in_draft_vocab_is_kept_per_sample_across_batches():
-    """The in-vocab check computed once per sample equals the full-vocab argmax, whatever batch
-    (and padded width) the sample comes back in."""
+def test_argmax_in_draft_vocab_is_kept_per_sample_across_batches(monkeypatch):
+    """The in-vocab check computed once per sample (in chunks of 2 rows) equals the full-vocab
+    argmax, whatever batch (and padded width) the sample comes back in."""
+    monkeypatch.setattr(train, "LOGITS", 80)
     torch.manual_seed(3)
     lm_head, t2d = torch.randn(40, 8), torch.zeros(40, dtype=torch.bool)
     t2d[::3] = True
@@ -227,17 +234,65 @@ def test_argmax_in_draft_vocab_is_kept_per_sample_across_batches():
     last = torch.randn(3, 7, 8)
     need = torch.ones(3, 7, dtype=torch.bool)
     need[1, 4:] = False  # a shorter sample
-    _, first = head(last, need, [(0, "a"), (0, "b"), (0, "c")])
+    first = head(last, need, [(0, "a"), (0, "b"), (0, "c")])
     assert torch.equal(first, need & t2d[(last @ lm_head.T).argmax(-1)])
     # b alone, padded wider, and a cut narrower: the kept rows, not a recomputation
     last_b = torch.cat([last[1:2, :4], torch.zeros(1, 5, 8)], dim=1)
     need_b = torch.zeros(1, 9, dtype=torch.bool)
     need_b[0, :4] = True
     head.argmax_in_draft = None  # a recomputation would fail
-    _, again = head(last_b, need_b, [(0, "b")])
+    again = head(last_b, need_b, [(0, "b")])
     assert torch.equal(again[0, :7], first[1]) and not again[0, 7:].any()
-    _, cut = head(last[:1, :5], need[:1, :5], [(0, "a")])
+    cut = head(last[:1, :5], need[:1, :5], [(0, "a")])
     assert torch.equal(cut[0], first[0, :5])
+
+
+def test_chunked_step_has_the_gradients_of_the_unchunked_step(monkeypatch):
+    """The training step as train.fit runs it (loss in chunks of 3 positions, each TTT step
+    recomputed in backward) against the step as it was: every step's logits and the target's
+    p [B, T, Vd] formed whole and kept. Same loss, same gradients (fp32)."""
+    torch.manual_seed(4)
+    cfg = tiny_config(vocab_size=40, draft_vocab_size=16, hidden_size=16, target_hidden_size=16)
+    model = Drafter(cfg)
+    model.embed_tokens.weight.normal_()
+    t2d = torch.zeros(40, dtype=torch.bool)
+    t2d[torch.randperm(40)[:16]] = True
+    model.t2d.copy_(t2d)
+    aux, ids, last = (
+        torch.randn(2, 13, 3, 16),
+        torch.randint(0, 40, (2, 13)),
+        torch.randn(2, 13, 16),
+    )
+    lm_head = torch.randn(40, 16)
+    lm_head[t2d] *= 1.5
+    loss_mask = torch.rand(2, 13) > 0.3
+    loss_mask[1, 10:] = False  # padding
+    head, steps, w = train.TargetHead(lm_head, t2d), 3, torch.tensor([1.0, 0.8, 0.64])
+    masks = train.step_masks(
+        loss_mask, head(last, train.shift(loss_mask, 1), [(0, "a"), (0, "b")]), steps
+    )
+    counts = torch.stack([m.sum() for m in masks]).float()
+    params = [p for p in model.parameters() if p.requires_grad]
+
+    monkeypatch.setattr(drafter_module, "RECOMPUTE", 10**9)
+    p = head.p(last.flatten(0, 1)).view(2, 13, 16)  # before: p whole, every step's logits kept
+    logits = model(aux, ids, steps, masks)
+    ce = [
+        -(train.at(p, m, k + 1) * F.log_softmax(lk, -1)).sum()
+        for k, (lk, m) in enumerate(zip(logits, masks, strict=True))
+    ]
+    want = (w * torch.stack(ce) / counts).sum()
+    g_want = torch.autograd.grad(want, params)
+
+    monkeypatch.setattr(drafter_module, "RECOMPUTE", 0)
+    monkeypatch.setattr(train, "LOGITS", 3 * 16)
+    ce, _ = train.ttt_sums(model, model(aux, ids, steps, masks, head=False), last, masks, head)
+    got = (w * ce / counts).sum()
+    g_got = torch.autograd.grad(got, params)
+    assert torch.allclose(got, want, rtol=1e-6, atol=0)
+    assert all(counts > 3)  # every step has several chunks
+    for a, b in zip(g_got, g_want, strict=True):
+        assert torch.allclose(a, b, rtol=1e-5, atol=1e-7)
 
 
 @pytest.mark.parametrize("past", [0, 5])

@@ -146,3 +146,34 @@ def test_plan_per_hidden_mode(capsys):
     assert all(r["prefill_tokens_per_epoch"] == pytest.approx(tokens) for r in modes.values())
     main(["plan", "--params", str(EXAMPLE), "--target-config", str(CONFIG)])
     assert "repeated every epoch: tokens x epochs" in capsys.readouterr().out
+
+
+def test_training_memory_of_the_example(capsys):
+    """Per dataset: the training peak per GPU at its max_length; A1's 32,768 tokens fit in
+    80 GiB; the fixed part's weights are the drafter's own parameter count."""
+    import torch
+
+    from eaglet import train_memory
+    from eaglet.drafter import Drafter
+
+    params = load(EXAMPLE)
+    rows = {r["dataset"]: r for r in plan.plan(params, CONFIG)["training"]}
+    a1, b2 = rows["A1_deepswekimi"], rows["B2_opencodeinstruct"]
+    assert (a1["tokens"], b2["tokens"], a1["dtype"]) == (32768, 8192, "bfloat16")
+    assert a1["fits"] and a1["peak_bytes"] < 80 * 2**30 and a1["longest_that_fits"] > 32768
+    assert b2["peak_bytes"] < a1["peak_bytes"]
+    with torch.device("meta"):  # the real module, allocated nowhere
+        model = Drafter(kimi_drafter(params))
+    trained = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    assert a1["fixed_bytes"]["weights (fp32)"] == 4 * trained
+    assert a1["fixed_bytes"]["frozen embeddings (fp32)"] == 4 * model.embed_tokens.weight.numel()
+    small_vocab = train_memory.Shape.of(kimi_drafter(params).to_dict(), 7168, 163840, 4096, 7)
+    assert train_memory.estimate(small_vocab, 0)["per_token"] == a1["per_token_bytes"]
+    args = ["plan", "--params", str(EXAMPLE), "--target-config", str(CONFIG)]
+    assert main([*args, "--gpu-memory", "40"]) == 0
+    out = capsys.readouterr().out
+    line = next(x for x in out.splitlines() if x.startswith("train kimi_k25_eagle3 on A1"))
+    assert "32,768 tokens" in line and "DOES NOT FIT" in line
+    assert main(args) == 0
+    line = next(x for x in capsys.readouterr().out.splitlines() if "on A1_deepswekimi" in x)
+    assert line.endswith("tokens)") and ": fits (" in line

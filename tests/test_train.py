@@ -109,3 +109,44 @@ def test_ddp_and_accumulation_equal_one_process_with_the_same_global_batch(tiny,
         # rounding differs in the last bits; Adam amplifies it on near-zero gradients
         assert all(torch.allclose(a[k], b[k], atol=2e-5, rtol=1e-4) for k in a), other
     assert float(ref[-1]["loss"]) < float(ref[0]["loss"])  # it learns
+
+
+class Lengths:
+    """A reader's manifest alone: sample ids and token counts."""
+
+    def __init__(self, *tokens: int):
+        self.manifest = {"samples": [{"id": f"s{i}", "tokens": n} for i, n in enumerate(tokens)]}
+
+
+def test_overlong_samples_are_cut_or_skipped_and_counted():
+    from eaglet import train
+
+    readers = [Lengths(10, 50), Lengths(33, 32)]
+    refs = [(0, "s0"), (0, "s1"), (1, "s0"), (1, "s1")]
+    kept, cut = train.overlong(readers, refs, {"max_length": 32})
+    assert kept == refs and cut == {"policy": "truncate", "samples": 2, "tokens_lost": 18 + 1}
+    kept, skipped = train.overlong(readers, refs, {"max_length": 32, "overlong": "skip"})
+    assert kept == [(0, "s0"), (1, "s1")]
+    assert skipped == {"policy": "skip", "samples": 2, "tokens_lost": 50 + 33}
+
+
+def test_a_sample_that_would_not_fit_the_gpu_is_one_error_before_training():
+    from eaglet import drafter, train, train_memory
+    from eaglet.drafter import DrafterConfig
+    from eaglet.errors import EagletError
+
+    assert (train_memory.LOGITS, train_memory.SCORES) == (train.LOGITS, drafter.SCORES)
+
+    cfg = DrafterConfig(
+        vocab_size=1000, draft_vocab_size=100, hidden_size=64, target_hidden_size=64,
+        intermediate_size=128, num_attention_heads=2, num_key_value_heads=2, head_dim=32,
+        rms_norm_eps=1e-5, rope_theta=1e4, max_position_embeddings=8192, aux_layer_ids=(1, 2, 3),
+    )  # fmt: skip
+    hp = {"ttt_length": 3, "batch_size": 2, "dtype": "bfloat16", "max_length": 6000}
+    shape = train_memory.Shape.of(cfg.to_dict(), 64, 1000, 100, 3)
+    memory = int(train_memory.estimate(shape, 2 * 4000, "bfloat16")["peak"])  # 4,000 tokens fit
+    readers, names = [Lengths(100, 3000), Lengths(5000, 200)], ["short", "long"]
+    with pytest.raises(EagletError, match=r"dataset long: a sample of 5,000 tokens \(batch 2\)"):
+        train.check_fits(readers, names, cfg, hp, memory)
+    train.check_fits(readers, names, cfg, hp | {"max_length": 4000}, memory)  # cut: fits
+    train.check_fits(readers, names, cfg, hp | {"max_length": 4000, "overlong": "skip"}, memory)

@@ -124,7 +124,7 @@ def cmd_plan(args: argparse.Namespace) -> None:
 
     from eaglet import plan
 
-    report = plan.plan(_params(args), args.target_config)
+    report = plan.plan(_params(args), args.target_config, args.gpu_memory * 2**30)
     print(json.dumps(report, indent=2) if args.json else plan.render(report))
 
 
@@ -255,6 +255,9 @@ def parser() -> argparse.ArgumentParser:
     p = sub.add_parser("plan", help="prompts, tokens, dollars and disk before anything runs")
     p.add_argument("--target-config", type=Path, help="the target's config.json, if not local")
     p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.add_argument(
+        "--gpu-memory", type=float, default=96, help="GiB per GPU for training (RTX PRO 6000: 96)"
+    )
     _add_common(p)
     p.set_defaults(fn=cmd_plan)
 

@@ -152,6 +152,7 @@ class KVCache:
 
 
 SCORES = 2**24  # attention scores held at once (fp32: 64 MiB), whatever the sequence length
+RECOMPUTE = 2048  # positions (B x T) above which training recomputes each TTT step in backward
 
 
 def attend(
@@ -172,9 +173,9 @@ def attend(
     if not diagonal and past == 0 and q.shape[2] == k.shape[2]:  # plain causal: the fused kernel
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
     groups = q.shape[1] // k.shape[1]
-    k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
-    dk = [kd.repeat_interleave(groups, dim=1) for kd, _ in diagonal]
-    dv = [vd.repeat_interleave(groups, dim=1) for _, vd in diagonal]
+    if groups > 1:  # kv heads repeated to the query heads; the diagonal ones broadcast instead
+        k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+    dk, dv = [kd for kd, _ in diagonal], [vd for _, vd in diagonal]
     b, h, t, _ = q.shape
     rows = max(1, (scores or SCORES) // (b * h * k.shape[2]))
     out = []
@@ -193,17 +194,22 @@ def attend(
 def _attend_rows(
     q: Tensor, k: Tensor, v: Tensor, start: int, dk: list[Tensor], dv: list[Tensor]
 ) -> Tensor:
-    """attend() for the queries at positions start.. over keys of the same head count."""
-    scale = q.shape[-1] ** -0.5
-    qpos = torch.arange(q.shape[2], device=q.device)[:, None] + start
+    """attend() for the queries at positions start.., over keys k, v of the query head count
+    and diagonal keys dk, dv of the kv head count (query head i reads kv head i // groups)."""
+    b, h, t, d = q.shape
+    scale = d**-0.5
+    qpos = torch.arange(t, device=q.device)[:, None] + start
     causal = qpos >= torch.arange(k.shape[2], device=q.device)[None, :]
     scores = [(q @ k.transpose(-2, -1) * scale).masked_fill(~causal, float("-inf"))]
-    scores += [(q * kd).sum(-1, keepdim=True) * scale for kd in dk]
+    kv = dk[0].shape[1] if dk else h
+    per_kv = q.view(b, kv, h // kv, t, d)  # query heads grouped under their kv head
+    scores += [(per_kv * kd[:, :, None]).sum(-1).reshape(b, h, t, 1) * scale for kd in dk]
     w = torch.softmax(torch.cat(scores, dim=-1).float(), dim=-1).to(q.dtype)
     s = k.shape[2]
     out = w[..., :s] @ v
     for j, vd in enumerate(dv):
-        out = out + w[..., s + j : s + j + 1] * vd
+        wj = w[..., s + j : s + j + 1].view(b, kv, h // kv, t, 1)
+        out = out + (wj * vd[:, :, None]).reshape(b, h, t, d)
     return out
 
 
@@ -301,23 +307,49 @@ class Drafter(nn.Module):
         return draft_ids + self.d2t[draft_ids]
 
     def forward(
-        self, aux: Tensor, input_ids: Tensor, steps: int, masks: list[Tensor] | None = None
+        self,
+        aux: Tensor,
+        input_ids: Tensor,
+        steps: int,
+        masks: list[Tensor] | None = None,
+        head: bool = True,
     ) -> list[Tensor]:
         """Training-time test: `steps` chained drafting steps at every position; logits per step
-        (at the positions of masks[k] [B, T] only, [N_k, Vd], when masks are given).
+        (at the positions of masks[k] [B, T] only, [N_k, Vd], when masks are given), or with
+        head=False the states before the final norm (for a loss that applies `logits` itself,
+        in chunks).
 
         Step k at position t reads token t+k+1 (teacher-forced) and the step k-1 output at t,
         sits at position t+k, and attends to the step-0 keys of positions <= t plus its own
         chain (steps 1..k at t): exactly what chain decoding from position t sees. Its logits
         predict token t+k+2. Tokens past the end read id 0 (the caller masks them).
+
+        Under autograd, a batch of more than RECOMPUTE positions keeps only each step's output
+        and keys and values, and recomputes the step's layer in backward (checkpointing).
         """
-        t = input_ids.shape[1]
-        hidden = self.features(aux)
-        cache, diagonal, out = KVCache(), [], []
+        b, t = input_ids.shape
+        recompute = torch.is_grad_enabled() and b * t > RECOMPUTE
+        hidden, keys, out = self.features(aux), [], []
         for k in range(steps):
-            ids = F.pad(input_ids[:, k + 1 :], (0, min(k + 1, t)))
-            pos = torch.arange(t, device=input_ids.device) + k
-            emb = self.embed_tokens(ids)
-            hidden = self.midlayer(emb, hidden, pos, cache, diagonal if k else None)
-            out.append(self.logits(hidden if masks is None else hidden[masks[k]]))
+            args = (hidden, input_ids, k, *keys)
+            if recompute:
+                hidden, *kv = checkpoint(self.ttt_step, *args, use_reentrant=False)
+            else:
+                hidden, *kv = self.ttt_step(*args)
+            keys += kv
+            state = hidden if masks is None else hidden[masks[k]]
+            out.append(self.logits(state) if head else state)
         return out
+
+    def ttt_step(self, hidden: Tensor, input_ids: Tensor, k: int, *keys: Tensor) -> tuple:
+        """TTT step k from step k-1's output and the keys and values of steps 0..k-1 (k0, v0,
+        k1, v1, ...): (its output, its keys, its values). Pure, so that backward can rerun it."""
+        t = input_ids.shape[1]
+        ids = F.pad(input_ids[:, k + 1 :], (0, min(k + 1, t)))
+        pos = torch.arange(t, device=input_ids.device) + k
+        cache, diagonal = KVCache(), None
+        if k:  # the step-0 keys causally, then this position's own chain
+            cache.k, cache.v = keys[0], keys[1]
+            diagonal = [(keys[i], keys[i + 1]) for i in range(2, len(keys), 2)]
+        hidden = self.midlayer(self.embed_tokens(ids), hidden, pos, cache, diagonal)
+        return hidden, *(diagonal[-1] if k else (cache.k, cache.v))

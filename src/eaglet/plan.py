@@ -18,6 +18,9 @@ is read (or `--target-config`).
 - per hidden.mode (`mode_rows`): disk for hidden states and the engine's prefill tokens.
   offline: the shards, one prefill; online: the token ids alone (5 B/token), a prefill every
   epoch of every drafter (tokens x epochs); hybrid: the shards (as a cache), one prefill.
+- training memory per GPU, per drafter and dataset (eaglet.train_memory): the peak of one
+  micro-batch of the dataset's longest sample, against `--gpu-memory`, and the longest sample
+  that fits.
 """
 
 from __future__ import annotations
@@ -26,6 +29,8 @@ import os
 import shutil
 from pathlib import Path
 
+from eaglet import arch, train_memory
+from eaglet.device import resolve_dtype
 from eaglet.errors import EagletError
 from eaglet.io import read_json
 from eaglet.keys import Keys, sglang_layer_ids, sidecar_of
@@ -53,8 +58,8 @@ def bytes_per_token(hidden: dict, n_aux: int, width: int) -> float:
     return (n_aux + 1) * width * 2 * ratio
 
 
-def target_shape(params: Params, config: Path | None = None) -> tuple[int, int, str]:
-    """(hidden size, layers, where) of the target's language model, from config.json alone."""
+def target_text(params: Params, config: Path | None = None) -> tuple[dict, str, str]:
+    """(text config, where, field prefix) of the target's language model, from config.json."""
     if config is not None:
         try:
             raw, where = read_json(config), str(config)
@@ -71,8 +76,66 @@ def target_shape(params: Params, config: Path | None = None) -> tuple[int, int, 
                 "give it with --target-config"
             ) from None
     text, prefix = text_config(raw)
+    return text, where, prefix
+
+
+def target_shape(params: Params, config: Path | None = None) -> tuple[int, int, str]:
+    """(hidden size, layers, where) of the target's language model, from config.json alone."""
+    text, where, prefix = target_text(params, config)
     width, layers = (need(text, f, where, prefix) for f in ("hidden_size", "num_hidden_layers"))
     return width, layers, where
+
+
+def training_memory(
+    params: Params, text: dict, where: str, prefix: str, gpu_bytes: float
+) -> list[dict]:
+    """Per drafter and dataset: the estimated training peak per GPU (eaglet.train_memory, on
+    cuda) of one micro-batch of the dataset's longest sample, against `gpu_bytes`."""
+    rows = []
+    for name in params.drafters:
+        d = params.drafter(name)
+        t = d["train"]
+        shape = train_memory.Shape.of(
+            arch.resolve(text, d["arch"], where, prefix),
+            need(text, "hidden_size", where, prefix),
+            need(text, "vocab_size", where, prefix),
+            d["draft_vocab_size"],
+            t["ttt_length"],
+        )
+        dtype = resolve_dtype(t["dtype"], "cuda")
+        cap = t.get("max_length") or max(map(params.max_length, d["datasets"]))
+        longest = train_memory.longest(shape, gpu_bytes, dtype) // t["batch_size"]
+        for ds in d["datasets"]:
+            length = min(params.max_length(ds), cap)
+            est = train_memory.estimate(shape, t["batch_size"] * length, dtype)
+            rows.append(
+                {
+                    "drafter": name,
+                    "dataset": ds,
+                    "tokens": length,
+                    "batch_size": t["batch_size"],
+                    "dtype": dtype,
+                    "peak_bytes": est["peak"],
+                    "fixed_bytes": est["fixed_items"],
+                    "per_token_bytes": est["per_token"],
+                    "gpu_bytes": gpu_bytes,
+                    "fits": est["peak"] <= gpu_bytes,
+                    "longest_that_fits": longest,
+                }
+            )
+    return rows
+
+
+def render_training(rows: list[dict]) -> list[str]:
+    """One line per drafter and dataset: peak per GPU at its longest sample, and the verdict."""
+    gib = train_memory.GIB
+    return [
+        f"train {r['drafter']} on {r['dataset']}: {r['tokens']:,} tokens x batch "
+        f"{r['batch_size']} ({r['dtype']}): {r['peak_bytes'] / gib:.1f} GiB per GPU of "
+        f"{r['gpu_bytes'] / gib:.0f} GiB: {'fits' if r['fits'] else 'DOES NOT FIT'} (longest "
+        f"sample that fits: {r['longest_that_fits']:,} tokens)"
+        for r in rows
+    ]
 
 
 def _prompts(keys: Keys, ds: str) -> tuple[int | None, str]:
@@ -140,10 +203,11 @@ def dataset_plan(keys: Keys, ds: str, token_bytes: float) -> dict:
     }
 
 
-def plan(params: Params, target_config: Path | None = None) -> dict:
-    """The whole plan: per dataset, totals and the disk check."""
+def plan(params: Params, target_config: Path | None = None, gpu_memory: float = 96 * 2**30) -> dict:
+    """The whole plan: per dataset, totals, the disk check and training memory per GPU."""
     keys = Keys(params)
-    width, layers, where = target_shape(params, target_config)
+    text, where, prefix = target_text(params, target_config)
+    width, layers = (need(text, f, where, prefix) for f in ("hidden_size", "num_hidden_layers"))
     h = params.data["hidden"]
     n_aux = len(sglang_layer_ids(h) or ()) or 3  # SGLang's default: 3 layers
     token_bytes = bytes_per_token(h, n_aux, width)
@@ -159,8 +223,7 @@ def plan(params: Params, target_config: Path | None = None) -> dict:
     out = params.root / "data" / "hidden"
     probe = next(p for p in (out, *out.parents) if p.exists())
     free = shutil.disk_usage(probe).free
-    need = total["hidden_bytes"]
-    fits = {k: None if v is None else v <= free for k, v in need.items()}
+    fits = {k: None if v is None else v <= free for k, v in total["hidden_bytes"].items()}
     shown = os.path.relpath(probe) if probe.is_relative_to(Path.cwd()) else str(probe)
     return {
         "target": {"config": where, "hidden_size": width, "num_hidden_layers": layers},
@@ -174,6 +237,7 @@ def plan(params: Params, target_config: Path | None = None) -> dict:
         "total": total,
         "disk": {"path": shown, "free_bytes": free, "fits": fits},
         "hidden_modes": mode_rows(params, rows, free),
+        "training": training_memory(params, text, where, prefix, gpu_memory),
     }
 
 
@@ -266,7 +330,18 @@ def render(report: dict) -> str:
         f"{k} {_num(report['total']['hidden_bytes'][k], 'B')}: {verdict[d['fits'][k]]}"
         for k in ("expected", "max")
     )
-    return "\n".join([head, "", *lines, "", disk, "", *render_modes(report)])
+    return "\n".join(
+        [
+            head,
+            "",
+            *lines,
+            "",
+            disk,
+            "",
+            *render_modes(report),
+            *render_training(report["training"]),
+        ]
+    )
 
 
 def render_modes(report: dict) -> list[str]:

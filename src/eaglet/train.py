@@ -24,6 +24,7 @@ import math
 import os
 import random
 import shutil
+import sys
 import time
 from contextlib import nullcontext
 from pathlib import Path
@@ -33,8 +34,10 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from safetensors.torch import save_file
 from torch import Tensor
+from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.utils.checkpoint import checkpoint
 
-from eaglet import drafter_data, vocab
+from eaglet import drafter_data, train_memory, vocab
 from eaglet.atomic import atomic_path, write_text
 from eaglet.device import resolve_dtype
 from eaglet.drafter import Drafter, DrafterConfig
@@ -52,13 +55,17 @@ def shift(x: Tensor, n: int) -> Tensor:
     return torch.cat([x[:, n:], pad], dim=1)
 
 
+LOGITS = 2**23  # logits held at once by the loss and the argmax check (fp32: 32 MiB)
+
+
 class TargetHead:
     """The target's frozen lm_head, split into the draft-vocab rows (fp32, for the target
-    distribution) and the others (in `dtype`, only to tell whether the argmax is a draft id).
+    distribution p, formed per chunk of positions from the stored final states) and the others
+    (in `dtype`, only to tell whether the argmax is a draft id).
 
     Whether the argmax is a draft id depends on the sample alone, and costs a product with
     every non-draft row (11x the draft rows at the demo's 4,096 of 49,152): it is computed once
-    per sample and kept, not once per epoch."""
+    per sample, in chunks of rows, and kept, not once per epoch."""
 
     def __init__(self, lm_head: Tensor, t2d: Tensor, dtype: torch.dtype = torch.float32):
         self.draft = lm_head[t2d].float()
@@ -69,18 +76,20 @@ class TargetHead:
         self.draft, self.rest = self.draft.to(device), self.rest.to(device)
         return self
 
-    def __call__(
-        self, last: Tensor, need: Tensor, refs: list[drafter_data.Ref]
-    ) -> tuple[Tensor, Tensor]:
-        """At the positions of `need` [B, T] of the samples `refs`: p [B, T, Vd], the target's
-        softmax over the draft vocab, and in_vocab [B, T], whether its argmax over the full
-        vocab is a draft id."""
-        p = torch.zeros(*need.shape, self.draft.shape[0], device=last.device)
-        p[need] = torch.softmax(last[need].float() @ self.draft.T, dim=-1)
+    def p(self, last: Tensor) -> Tensor:
+        """The target's softmax over the draft vocab at final states last [N, H], in fp32."""
+        with torch.autocast(last.device.type, enabled=False):
+            return torch.softmax(last.float() @ self.draft.T, dim=-1)
+
+    def __call__(self, last: Tensor, need: Tensor, refs: list[drafter_data.Ref]) -> Tensor:
+        """in_vocab [B, T]: at the positions of `need` of the samples `refs` (final states
+        `last`, on any device), whether the target's argmax over the full vocab is a draft id."""
         new = [i for i, ref in enumerate(refs) if ref not in self.known]
-        if new:  # the batch's unseen samples, in one product
-            rows = torch.cat([last[i][need[i]] for i in new]).float()
-            hits = self.argmax_in_draft(rows).split([int(need[i].sum()) for i in new])
+        if new:  # the batch's unseen samples, together
+            rows = torch.cat([last[i][need[i].to(last.device)] for i in new])
+            hits = self.argmax_in_draft(rows.to(need.device)).split(
+                [int(need[i].sum()) for i in new]
+            )
             for i, hit in zip(new, hits, strict=True):
                 known = torch.zeros_like(need[i])
                 known[need[i]] = hit
@@ -89,14 +98,19 @@ class TargetHead:
         for i, ref in enumerate(refs):
             known = self.known[ref][: need.shape[1]]
             in_vocab[i, : len(known)] = known
-        return p, in_vocab
+        return in_vocab
 
     def argmax_in_draft(self, rows: Tensor) -> Tensor:
-        """Whether the target's argmax is a draft id, for final states rows [N, H] (fp32)."""
+        """Whether the target's argmax is a draft id, for final states rows [N, H], in chunks
+        of at most LOGITS logits."""
         if not self.rest.numel():
             return torch.ones(len(rows), dtype=torch.bool, device=rows.device)
-        best = (rows @ self.draft.T).max(-1).values
-        return best >= (rows.to(self.rest.dtype) @ self.rest.T).max(-1).values.float()
+        n = max(1, LOGITS // (len(self.draft) + len(self.rest)))
+        out = []
+        for chunk in rows.float().split(n):
+            best = (chunk @ self.draft.T).max(-1).values
+            out.append(best >= (chunk.to(self.rest.dtype) @ self.rest.T).max(-1).values.float())
+        return torch.cat(out)  # no rows: one empty chunk
 
 
 def step_masks(loss_mask: Tensor, in_vocab: Tensor, steps: int) -> list[Tensor]:
@@ -110,15 +124,85 @@ def at(x: Tensor, mask: Tensor, n: int) -> Tensor:
     return x[:, n:][mask[:, : x.shape[1] - n]]
 
 
-def ttt_sums(logits: list[Tensor], p: Tensor, masks: list[Tensor]) -> tuple[Tensor, Tensor]:
+def ttt_sums(
+    model: Drafter, states: list[Tensor], last: Tensor, masks: list[Tensor], head: TargetHead
+) -> tuple[Tensor, Tensor]:
     """Per step: the summed soft cross-entropy and the count of top-1 hits, over valid positions.
-    logits[k] [N_k, Vd] are the step's logits at the positions of masks[k]; p is [B, T, Vd]."""
+    states[k] [N_k, H] are step k's states at the positions of masks[k] (the drafter's forward
+    with head=False); the target's distribution there comes from last [B, T, Ht] one position on.
+
+    Positions go in chunks of at most LOGITS logits, each forming its logits and p, using and
+    dropping them; under autograd, when there is more than one chunk, a chunk is recomputed in
+    backward rather than kept, so memory does not grow with draft vocab x TTT steps. When every
+    position read fits one chunk, p is formed once for them all and shared by the steps."""
+    rows = max(1, LOGITS // len(head.draft))
+    flat = last.flatten(0, 1)
+    index = torch.arange(len(flat), device=last.device).view(last.shape[:2])
+    reads = [at(index, mk, k + 1) for k, mk in enumerate(masks)]  # where each step's p is
+    read = torch.cat(reads).unique()
+    p_read = slot = None
+    if len(read) <= rows:  # a short batch: p formed once for every position read, shared
+        slot = torch.zeros(len(flat), dtype=torch.long, device=last.device)
+        slot[read] = torch.arange(len(read), device=last.device)
+        p_read = head.p(flat[read])
+
+    def sums(state: Tensor, where: Tensor) -> tuple[Tensor, Tensor]:
+        logits = model.logits(state).float()
+        p = head.p(flat[where]) if p_read is None else p_read[slot[where]]
+        return -(p * F.log_softmax(logits, dim=-1)).sum(), (logits.argmax(-1) == p.argmax(-1)).sum()
+
     ce, hits = [], []
-    for k, (lk, mk) in enumerate(zip(logits, masks, strict=True)):
-        pk = at(p, mk, k + 1)
-        ce.append(-(pk * F.log_softmax(lk.float(), dim=-1)).sum())
-        hits.append((lk.argmax(-1) == pk.argmax(-1)).sum())
+    for sk, where in zip(states, reads, strict=True):
+        chunks = list(zip(sk.split(rows), where.split(rows), strict=True))
+        recompute = torch.is_grad_enabled() and len(chunks) > 1
+        parts = [
+            checkpoint(sums, *c, use_reentrant=False) if recompute else sums(*c) for c in chunks
+        ]
+        ce.append(torch.stack([c for c, _ in parts]).sum())  # an empty step: one empty chunk
+        hits.append(torch.stack([h for _, h in parts]).sum())
     return torch.stack(ce), torch.stack(hits).float()
+
+
+def overlong(readers: list, refs: list, hp: dict) -> tuple[list, dict]:
+    """The samples of `refs` longer than max_length are cut there (train.overlong: truncate)
+    or left out (skip): the refs trained, and how many samples and tokens that cost."""
+    cap, policy = hp["max_length"], hp.get("overlong", "truncate")
+    tokens = {
+        (i, s["id"]): s["tokens"] for i, r in enumerate(readers) for s in r.manifest["samples"]
+    }
+    long = [r for r in refs if tokens[r] > cap]
+    lost = sum(tokens[r] - (cap if policy == "truncate" else 0) for r in long)
+    if policy == "skip":
+        refs = [r for r in refs if tokens[r] <= cap]
+    return refs, {"policy": policy, "samples": len(long), "tokens_lost": lost}
+
+
+def check_fits(readers: list, names: list[str], cfg: DrafterConfig, hp: dict, memory: int) -> None:
+    """Before training on a GPU of `memory` bytes: a one-line error naming the dataset and the
+    length when its longest sample (as trained: cut at max_length, or skipped) would not fit,
+    by eaglet.train_memory's estimate."""
+    shape = train_memory.Shape.of(
+        cfg.to_dict(),
+        cfg.target_hidden_size,
+        cfg.vocab_size,
+        cfg.draft_vocab_size,
+        hp["ttt_length"],
+    )
+    bs, gib = hp["batch_size"], train_memory.GIB
+    most = train_memory.longest(shape, memory, hp["dtype"]) // bs
+    for name, r in zip(names, readers, strict=True):
+        lengths = [s["tokens"] for s in r.manifest["samples"]]
+        if hp.get("overlong") == "skip":
+            lengths = [n for n in lengths if n <= hp["max_length"]]
+        t = min(max(lengths, default=0), hp["max_length"])
+        if t > most:
+            peak = train_memory.estimate(shape, bs * t, hp["dtype"])["peak"]
+            raise EagletError(
+                f"dataset {name}: a sample of {t:,} tokens (batch {bs}) needs about "
+                f"{peak / gib:.1f} GiB per GPU to train, this GPU has {memory / gib:.1f} GiB; "
+                f"the longest that fits is {most:,} tokens: lower train.max_length "
+                "(train.overlong: truncate or skip)"
+            )
 
 
 def lr_factor(step: int, warmup: int, total: int, min_ratio: float) -> float:
@@ -159,13 +243,23 @@ class Run:
 
 
 def prepare(batch: dict, head: TargetHead, steps: int, device, refs: list) -> dict:
-    """Move the batch of samples `refs` to the device and add the target distribution and the
-    per-step masks."""
-    batch = {k: v.to(device) for k, v in batch.items()}
+    """Add the per-step masks (on the device) to the batch of samples `refs`; its hidden
+    states stay where they are until `ttt_batch` needs them."""
+    batch = batch | {k: batch[k].to(device) for k in ("input_ids", "loss_mask")}
     lm = batch["loss_mask"]
-    p, in_vocab = head(batch["last"], shift(lm, 1), refs)  # p[t]: learnt where t+1 is an answer
-    batch.update(p=p, masks=step_masks(lm, in_vocab, steps))
-    return batch
+    in_vocab = head(batch["last"], shift(lm, 1), refs)  # p[t]: learnt where t+1 is an answer
+    return batch | {"masks": step_masks(lm, in_vocab, steps)}
+
+
+def ttt_batch(model, b: dict, steps: int, head: TargetHead, run: Run) -> tuple[Tensor, Tensor]:
+    """Per step (summed soft cross-entropy, top-1 hits) of the prepared batch b; `model` is the
+    drafter or its DDP wrapper. Its aux states go to the device in the compute dtype (what
+    autocast casts them to anyway), the final states in fp32."""
+    aux = b["aux"].to(run.device, getattr(torch, run.dtype))
+    with run.autocast():
+        states = model(aux, b["input_ids"], steps, b["masks"], head=False)
+        drafter = model.module if isinstance(model, DDP) else model
+        return ttt_sums(drafter, states, b["last"].to(run.device), b["masks"], head)
 
 
 def heldout(model: Drafter, readers, refs, hp: dict, head: TargetHead, run: Run) -> dict:
@@ -173,12 +267,11 @@ def heldout(model: Drafter, readers, refs, hp: dict, head: TargetHead, run: Run)
     steps = hp["ttt_length"]
     ce, hits, n = torch.zeros(steps), torch.zeros(steps), torch.zeros(steps)
     bs = hp["batch_size"]
-    with torch.no_grad(), run.autocast():
+    with torch.no_grad():
         for i in range(0, len(refs), bs):
             batch = drafter_data.load(readers, refs[i : i + bs], hp["max_length"])
             b = prepare(batch, head, steps, run.device, refs[i : i + bs])
-            logits = model(b["aux"], b["input_ids"], steps, b["masks"])
-            c, h = ttt_sums(logits, b["p"], b["masks"])
+            c, h = ttt_batch(model, b, steps, head, run)
             ce, hits = ce + c.cpu(), hits + h.cpu()
             n += torch.stack([m.sum() for m in b["masks"]]).float().cpu()
     n = n.clamp(min=1)
@@ -204,6 +297,15 @@ def fit(
     steps = hp["ttt_length"]
     weights = torch.tensor([hp["step_weight"] ** k for k in range(steps)])
     train_refs, held_refs = drafter_data.split(readers, hp["heldout_fraction"])
+    train_refs, long_train = overlong(readers, train_refs, hp)
+    held_refs, long_held = overlong(readers, held_refs, hp)
+    if long_train["samples"] + long_held["samples"] and run.rank == 0:
+        print(
+            f"train: {long_train['samples'] + long_held['samples']} samples longer than "
+            f"max_length {hp['max_length']:,}: {long_train['policy']} "
+            f"({long_train['tokens_lost'] + long_held['tokens_lost']:,} tokens not trained)",
+            file=sys.stderr,
+        )
     per_step = hp["batch_size"] * hp["grad_accum"] * run.world
     if len(train_refs) < per_step:
         raise EagletError(
@@ -229,11 +331,8 @@ def fit(
     sched = torch.optim.lr_scheduler.LambdaLR(
         opt, lambda s: lr_factor(s, warmup, total, hp["min_lr_ratio"])
     )
-    ddp = (
-        torch.nn.parallel.DistributedDataParallel(model, device_ids=None)
-        if run.world > 1
-        else model
-    )
+    # gradients as views into the all-reduce buckets: no second copy of them
+    ddp = DDP(model, gradient_as_bucket_view=True) if run.world > 1 else model
 
     work = out.parent / f".{out.name}.work"
     ckpt = work / "checkpoint.pt"
@@ -316,9 +415,7 @@ def fit(
         for j, b in enumerate(micro):
             sync = j == len(micro) - 1 or run.world == 1
             with nullcontext() if sync else ddp.no_sync():  # all-reduce grads once per step
-                with run.autocast():
-                    logits = ddp(b["aux"], b["input_ids"], steps, b["masks"])
-                ce, hits = ttt_sums(logits, b["p"], b["masks"])
+                ce, hits = ttt_batch(ddp, b, steps, head, run)
                 # DDP averages gradients over processes; counts are global, so scale back
                 loss = (weights.to(ce.device) * ce / counts.to(ce.device)).sum() * run.world
                 loss.backward()
@@ -363,6 +460,7 @@ def fit(
         "dtype": run.dtype,
         "train_samples": len(train_refs),
         "heldout_samples": len(held_refs),
+        "overlong": {"train": long_train, "heldout": long_held},
         "final_loss": rows[-1]["loss"] if rows else None,
         "final_acc": [rows[-1][f"acc_{k}"] for k in range(steps)] if rows else None,
         "heldout": final,
@@ -442,6 +540,9 @@ def build(
     )
     embed, lm_head = load_head(spec)
     hp = prov["params"]["train"] | {"heldout_fraction": prov["params"]["heldout_fraction"]}
+    if pick_device(settings["device"]).startswith("cuda"):  # on CPU: host memory, no check
+        memory = torch.cuda.get_device_properties(0).total_memory
+        check_fits(readers, params.drafter(drafter)["datasets"], cfg, hp, memory)
     from eaglet import supervised
 
     try:  # an online reader's engine starts on its first sample and stops here
