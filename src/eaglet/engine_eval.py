@@ -18,6 +18,7 @@ from pathlib import Path
 import httpx
 
 from eaglet.engines.vllm import Engine, ServeConfig, eagle3, spec_counters
+from eaglet.errors import EagletError
 from eaglet.speculative import against_greedy
 
 
@@ -85,3 +86,33 @@ def measure(
         out[f"num_steps_{s}"] = m
     out["startup_s"] = startup
     return out
+
+
+def measure_running(
+    url: str,
+    model: str,
+    prompts: list[list[int]],
+    num_steps: int,
+    max_new: int,
+    stop: list[int],
+    concurrency: int = 1,
+) -> dict:
+    """The prompts on an operator's engine already serving the drafter with `num_steps` draft
+    tokens: acceptance from its counters; no plain run, so no greedy reference and no speedup."""
+    with Engine(url=url) as engine:
+        r = run(engine, model, prompts, max_new, stop, concurrency)
+    m = r["counters"].summary()
+    if len(m["acceptance_rate"]) != num_steps:
+        raise EagletError(
+            f"{url}: the engine drafts {len(m['acceptance_rate'])} tokens a step (its "
+            f"num_speculative_tokens), evaluate.num_steps says {num_steps}"
+        )
+    m.update(generated_tokens=r["tokens"], tokens_per_s=round(r["tokens"] / r["seconds"], 2))
+    m.update(greedy_equal=None, greedy_mismatches=None, greedy_tokens_per_s=None, speedup=None)
+    return {
+        "engine": "vllm",
+        "operator": True,
+        "concurrency": concurrency,
+        "greedy_tokens_per_s": None,
+        f"num_steps_{num_steps}": m,
+    }

@@ -26,14 +26,14 @@ from eaglet import drafter_data, engine_eval, speculative, train
 from eaglet.atomic import atomic_path
 from eaglet.chat import prompt_ids, stop_ids
 from eaglet.drafter import Drafter
-from eaglet.engines.vllm import ServeConfig
+from eaglet.engines.vllm import ServeConfig, target_stop_ids
 from eaglet.errors import EagletError
 from eaglet.io import write_json
 from eaglet.keys import Keys, sidecar_of
 from eaglet.params import Params
 from eaglet.progress import Progress
 from eaglet.prompts import collect
-from eaglet.target import load_model, load_tokenizer, materialize, spec_of
+from eaglet.target import load_head, load_model, load_tokenizer, materialize, pick_device, spec_of
 
 
 def prompt_of(sample: dict) -> list[int] | None:
@@ -161,17 +161,26 @@ def engine_metrics(
     params: Params, drafter: str, prompts: list[list[int]], stop: set[int], threads: int | None
 ) -> dict:
     """The held-out prompts run by vLLM serving the target with the drafter's vLLM export."""
-    cfg = params.drafter(drafter)["evaluate"]
-    export = engine_export(params, drafter)
+    d = params.drafter(drafter)
+    cfg = d["evaluate"]
     spec = spec_of(params)
+    if "engine_url" in cfg:  # an operator's engine, already serving this drafter
+        return engine_eval.measure_running(
+            cfg["engine_url"], spec.name, prompts, cfg["num_steps"][0], cfg["max_new_tokens"],
+            sorted(stop), cfg["engine_concurrency"],
+        )  # fmt: skip
+    export = engine_export(params, drafter)
+    longest = max(len(p) for p in prompts) + cfg["max_new_tokens"]
     serve = ServeConfig(
         model=materialize(spec),
         served_name=spec.name,
         dtype=cfg["dtype"],
-        max_model_len=params.target["max_length"],
+        max_model_len=max(params.target["max_length"], longest),
         max_num_seqs=cfg["engine_concurrency"],
         enforce_eager=cfg["engine_eager"],
+        tensor_parallel_size=cfg["engine_tensor_parallel_size"],
         threads=threads or 0,
+        extra_args=tuple(cfg["engine_extra_args"]),
     )
     return engine_eval.measure(
         serve, export, prompts, cfg["num_steps"], cfg["max_new_tokens"], sorted(stop),
@@ -254,22 +263,28 @@ def build(
     if threads:
         torch.set_num_threads(threads)
     keys = Keys(params)
-    prov = keys.provenance("evaluate", drafter)
+    prov = keys.provenance("evaluate", drafter)  # refuses a target that fits nowhere
+    own_decoder = prov["params"]["evaluate"]["in_process"]
     out = Path(out) if out else keys.path("evaluate", drafter)
     d = params.drafter(drafter)
     cfg = d["evaluate"]
-    if cfg["engine"] == "vllm":
+    if cfg["engine"] == "vllm" and "engine_url" not in cfg:
         engine_export(params, drafter)  # before decoding: fail fast
     readers = drafter_data.open_readers(params, drafter)
     _, held = drafter_data.split(readers, d["heldout_fraction"])
     trained = keys.path("train", drafter)
     model = train.load(trained)
     spec = spec_of(params)
-    target_model = load_model(spec, cfg["device"], cfg["dtype"])
     tokenizer = load_tokenizer(spec)
-    stop = set(stop_ids(tokenizer, target_model))
-    model.to(next(target_model.parameters()).device)
-    target = speculative.Target(target_model, list(model.cfg.aux_layer_ids))
+    if own_decoder:
+        target_model = load_model(spec, cfg["device"], cfg["dtype"])
+        stop = set(stop_ids(tokenizer, target_model))
+        lm_head = target_model.lm_head.weight
+        target = speculative.Target(target_model, list(model.cfg.aux_layer_ids))
+    else:  # the engine decodes; the offline estimate needs only the lm_head
+        stop = set(target_stop_ids(tokenizer, materialize(spec)))
+        lm_head = load_head(spec)[1].to(pick_device(cfg["device"]))
+    model.to(lm_head.device)
     if "heldout_prompts" in cfg:
         prompts = file_prompts(params, drafter, readers, tokenizer)
     else:
@@ -283,16 +298,17 @@ def build(
     engine = None
     if cfg["engine"] == "vllm":  # first: its greedy outputs are the reference for eaglet's own
         engine = engine_metrics(params, drafter, prompts, stop, threads)
-    reference = engine["greedy_outputs"] if engine else None
-    own = decode_all(target, model, prompts, cfg, stop, quiet, reference)
+    reference = engine.get("greedy_outputs") if engine else None
+    own = decode_all(target, model, prompts, cfg, stop, quiet, reference) if own_decoder else {}
     metrics = {
         "drafter": drafter,
         "prompts": len(prompts),
-        "greedy_reference": "vllm" if engine else "eaglet",
+        "greedy_reference": ("vllm" if reference else None) if engine else "eaglet",
+        "in_process": own_decoder,
         "speculative": own,
-        "offline": offline(model, readers, held, target_model.lm_head.weight, cfg["num_steps"]),
+        "offline": offline(model, readers, held, lm_head, cfg["num_steps"]),
     }
-    if engine:
+    if engine and own and reference:
         metrics["agreement"] = agreement(own, engine)
         metrics["engine"] = {k: v for k, v in engine.items() if k != "greedy_outputs"}
     metrics["elapsed_s"] = round(time.monotonic() - t0, 2)
@@ -311,22 +327,26 @@ def summary(metrics: dict, num_steps: list[int]) -> dict:
     """The headline numbers: acceptance length at the fewest steps (the engine's when it ran,
     else eaglet's), per num_steps eaglet's own, the engine's and the offline estimate, and
     greedy equality."""
-    first = f"num_steps_{min(num_steps)}"
     engine = metrics.get("engine")
     source = engine or metrics["speculative"]
+    first = f"num_steps_{min(num_steps)}"
     out = {
         "prompts": metrics["prompts"],
         "acceptance_length": source[first]["acceptance_length"],
         "acceptance_length_by": "vllm" if engine else "eaglet",
     }
-    for name, m in metrics["speculative"].items():
-        out[f"acceptance_length_{name}"] = m["acceptance_length"]
-        out[f"greedy_equal_{name}"] = m["greedy_equal"]
+    for name in (f"num_steps_{s}" for s in num_steps):
+        m = metrics["speculative"].get(name)
+        if m:
+            out[f"acceptance_length_{name}"] = m["acceptance_length"]
+            out[f"greedy_equal_{name}"] = m["greedy_equal"]
         out[f"offline_acceptance_length_{name}"] = metrics["offline"][name]["acceptance_length"]
         if engine:
             out[f"vllm_acceptance_length_{name}"] = engine[name]["acceptance_length"]
-            out[f"eaglet_mean_acceptance_length_{name}"] = m["mean_acceptance_length"]
             out[f"vllm_tokens_per_s_{name}"] = engine[name]["tokens_per_s"]
+            out[f"vllm_greedy_equal_{name}"] = engine[name]["greedy_equal"]
+        if engine and m:
+            out[f"eaglet_mean_acceptance_length_{name}"] = m["mean_acceptance_length"]
     if engine:
         out["vllm_greedy_tokens_per_s"] = engine["greedy_tokens_per_s"]
     return out

@@ -24,6 +24,7 @@ from pathlib import Path
 from eaglet import __version__, arch
 from eaglet.device import device_type, resolve_dtype
 from eaglet.errors import EagletError
+from eaglet.footprint import in_process, in_process_bytes
 from eaglet.hashing import JsonCache, file_digest
 from eaglet.io import dumps
 from eaglet.params import Params
@@ -352,7 +353,17 @@ def _train_slice(keys: Keys, drafter: str) -> tuple[dict, dict]:
 
 def _evaluate_slice(keys: Keys, drafter: str) -> tuple[dict, dict]:
     d = keys.params.drafter(drafter)
+    text, where, _ = keys.target_text_config()
     evaluate = dict(d["evaluate"], device=device_type(d["evaluate"]["device"]))
+    evaluate["in_process"] = in_process(d["evaluate"], text)
+    if not evaluate["in_process"] and evaluate["engine"] == "none":
+        raise EagletError(
+            f"drafters.{drafter}.evaluate: the target ({where}) does not fit in this machine's "
+            f"memory in {evaluate['dtype']} ({in_process_bytes(text, evaluate['dtype']) / 1e9:.0f}"
+            " GB): set engine: vllm (evaluation on the serving engine), or in_process: true"
+        )
+    if evaluate.pop("engine_url", None):  # where it listens is plumbing, whose engine is not
+        evaluate["engine_operator"] = True
     if "heldout_prompts" in evaluate:  # the file's bytes, not where it lies
         file = evaluate["heldout_prompts"]
         evaluate["heldout_prompts"] = {

@@ -138,7 +138,8 @@ def _summary(row: dict) -> str:
         eq = all(v for k, v in st.items() if k.startswith("greedy_equal_"))
         engine = [f"{v:.2f}" for k, v in st.items() if k.startswith("vllm_acceptance_") and v]
         if engine:
-            return f"vLLM acceptance length {' / '.join(engine)} (eaglet {' / '.join(als)})"
+            own = f" (eaglet {' / '.join(als)})" if als else " (engine only)"
+            return f"vLLM acceptance length {' / '.join(engine)}{own}"
         return f"acceptance length {' / '.join(als)}, greedy equal: {eq}"
     return ""
 
