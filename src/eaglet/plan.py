@@ -23,6 +23,7 @@ import os
 import shutil
 from pathlib import Path
 
+from eaglet import placement
 from eaglet.errors import EagletError
 from eaglet.io import read_json
 from eaglet.keys import Keys, sglang_layer_ids, sidecar_of
@@ -50,8 +51,8 @@ def bytes_per_token(hidden: dict, n_aux: int, width: int) -> float:
     return (n_aux + 1) * width * 2 * ratio
 
 
-def target_shape(params: Params, config: Path | None = None) -> tuple[int, int, str]:
-    """(hidden size, layers, where) of the target's language model, from config.json alone."""
+def target_text(params: Params, config: Path | None = None) -> tuple[dict, str, str]:
+    """(text config, where, field prefix) of the target's language model, config.json alone."""
     if config is not None:
         try:
             raw, where = read_json(config), str(config)
@@ -68,8 +69,9 @@ def target_shape(params: Params, config: Path | None = None) -> tuple[int, int, 
                 "give it with --target-config"
             ) from None
     text, prefix = text_config(raw)
-    width, layers = (need(text, f, where, prefix) for f in ("hidden_size", "num_hidden_layers"))
-    return width, layers, where
+    for field in ("hidden_size", "num_hidden_layers"):
+        need(text, field, where, prefix)
+    return text, where, prefix
 
 
 def _prompts(keys: Keys, ds: str) -> tuple[int | None, str]:
@@ -126,6 +128,7 @@ def dataset_plan(keys: Keys, ds: str, token_bytes: float) -> dict:
         "dataset": ds,
         "backend": gen["backend"],
         "prompts": n,
+        "answered": n_exp,
         "prompts_from": source,
         "max_length": max_len,
         "completion_tokens": tok,
@@ -140,7 +143,8 @@ def dataset_plan(keys: Keys, ds: str, token_bytes: float) -> dict:
 def plan(params: Params, target_config: Path | None = None) -> dict:
     """The whole plan: per dataset, totals and the disk check."""
     keys = Keys(params)
-    width, layers, where = target_shape(params, target_config)
+    text, where, _ = target_text(params, target_config)
+    width, layers = text["hidden_size"], text["num_hidden_layers"]
     h = params.data["hidden"]
     n_aux = len(sglang_layer_ids(h) or ()) or 3  # SGLang's default: 3 layers
     token_bytes = bytes_per_token(h, n_aux, width)
@@ -161,6 +165,7 @@ def plan(params: Params, target_config: Path | None = None) -> dict:
     shown = os.path.relpath(probe) if probe.is_relative_to(Path.cwd()) else str(probe)
     return {
         "target": {"config": where, "hidden_size": width, "num_hidden_layers": layers},
+        "stages": placement.stages(keys, text, where, rows, total, fits),
         "storage": {
             "dtype": h["dtype"],
             "fp8": h["fp8"],
@@ -226,4 +231,31 @@ def render(report: dict) -> str:
         f"{k} {_num(report['total']['hidden_bytes'][k], 'B')}: {verdict[d['fits'][k]]}"
         for k in ("expected", "max")
     )
-    return "\n".join([head, "", *lines, "", disk])
+    return "\n".join([head, "", *lines, "", disk, "", *render_stages(report["stages"])])
+
+
+def _hours(s: float | None) -> str:
+    if s is None:
+        return "?"
+    return f"{s / 3600:.1f} h" if s >= 3600 else f"{s / 60:.0f} min"
+
+
+def render_stages(st: dict) -> list[str]:
+    """The run stage by stage, and its total wall clock."""
+    cols = ["stage", "runs on", "GPU memory / device", "fits", "disk", "cost", "time (exp)"]
+    lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+    for r in st["rows"]:
+        mem = r["gpu_gb"]
+        if isinstance(mem, dict):
+            kv = f"{mem['kv_gb_per_seq']:.2f} GB KV x {mem['seqs']}"
+            mem = f"{mem['weights_gb']:.1f} GB weights + {kv}"
+        mem = "-" if mem is None else mem
+        disk = "-" if r["disk_bytes"] is None else _num(r["disk_bytes"], "B")
+        cells = [r["stage"], r["runs_on"], mem, r["fits"], disk, _usd(r["cost_usd"])]
+        lines.append("| " + " | ".join([*cells, _hours(r["seconds"])]) + " |")
+    wall = (
+        f"wall clock (expected): {_hours(st['wall_s'])} = max(API generation "
+        f"{_hours(st['generation_api_s'])}, generation on the node "
+        f"{_hours(st['generation_node_s'])}) + the node's stages in sequence"
+    )
+    return [*lines, "", wall]
