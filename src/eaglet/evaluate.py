@@ -310,6 +310,7 @@ def build(
     }
     if engine and own and reference:
         metrics["agreement"] = agreement(own, engine)
+    if engine:
         metrics["engine"] = {k: v for k, v in engine.items() if k != "greedy_outputs"}
     metrics["elapsed_s"] = round(time.monotonic() - t0, 2)
     with open(trained / "metrics.csv", newline="") as f:

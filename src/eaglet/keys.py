@@ -77,11 +77,13 @@ PLUMBING = frozenset(
         "eaglet.engines",  # the package (a docstring)
         "eaglet.engines.reaper",  # ends an engine whose owner died
         "eaglet.errors",
+        "eaglet.footprint",  # resolves evaluate.in_process: the resolved value is in the key
         "eaglet.foreign",
         "eaglet.hashing",
         "eaglet.hidden_verify",
         "eaglet.keys",
         "eaglet.params",
+        "eaglet.placement",  # `eaglet plan` only
         "eaglet.plan",
         "eaglet.preflight",
         "eaglet.progress",
