@@ -22,6 +22,7 @@ from __future__ import annotations
 import gzip
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -82,7 +83,7 @@ def write_raw(root: Path, params_file: Path) -> None:
 def overlay(gen: str, aux: str, full: str, base: Path = EXAMPLE) -> str:
     """The smoke overlay: target, endpoints, sizes, and the two engine swaps (module doc)."""
     smaller = {ds: {"max_samples": 4} for ds in yaml.safe_load(base.read_text())["datasets"]}
-    smaller["B2_opencodeinstruct"] = {"max_samples": 4, "token_budget": 30}  # stops B2 early
+    smaller["B2_opencodeinstruct"] = {"max_samples": 4, "token_budget": 12}  # stops B2 early
     smaller["A1_deepswekimi"] = {"max_samples": 4, "max_length": 256, "max_new_tokens": 8}
     data = {
         "extends": str(base),
@@ -161,7 +162,9 @@ def test_the_example_runs_to_the_end(servers):
     side = {ds: json.loads(keys.sidecar("responses", ds).read_text()) for ds in params.datasets}
     assert side["A1_deepswekimi"]["provenance"]["params"]["backend"]["kind"] == "sglang"
     assert side["B5_lima"]["provenance"]["params"]["backend"]["kind"] == "openai"
-    print({ds: s["stats"] for ds, s in side.items()})
+    b2 = side["B2_opencodeinstruct"]["stats"]  # 8-token answers against a 12-token budget
+    assert b2["stopped_by"] == "token_budget" and b2["responses"] < b2["prompts"]
+    assert all(s["stats"]["cost"] > 0 for d, s in side.items() if d.startswith("B"))
     # hidden states through the SGLang pair, every sequence once to each
     assert aux.requests == full.requests > 0
     train = json.loads(keys.sidecar("train", DRAFTER).read_text())
@@ -182,7 +185,7 @@ def test_a_broken_example_fails_the_rehearsal(servers, tmp_path):
     assert text.count("format: agent") == 1
     broken.write_text(text.replace("format: agent", "format: sharegpt"))
     write_raw(tmp_path, EXAMPLE)
-    (tmp_path / "target").symlink_to(root / "target", target_is_directory=True)
+    shutil.copytree(root / "target", tmp_path / "target")  # inside the project, as its own
     (tmp_path / "smoke.yaml").write_text(overlay(gen.url, aux.url, full.url, broken))
     r = rehearse(tmp_path, "smoke.yaml")
     assert r.returncode != 0
