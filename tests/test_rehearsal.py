@@ -156,7 +156,7 @@ def test_the_example_runs_to_the_end(servers):
         check=True,
     )
     rows = json.loads(status.stdout)
-    assert len(rows) == 8 * 3 + 5 and {r["state"] for r in rows} == {"done"}, rows
+    assert len(rows) == 8 * 3 + 5 and {r["state"] for r in rows} == {"up to date"}, rows
     # both generation backends answered, each with the miniature's own greedy tokens
     assert gen.routes["/generate"] >= 3 and gen.routes["/v1/chat/completions"] >= 7 * 3
     side = {ds: json.loads(keys.sidecar("responses", ds).read_text()) for ds in params.datasets}
