@@ -61,13 +61,15 @@ def kv_bytes_per_token(text: dict, tensor_parallel: int = 1, dtype_bytes: int = 
 
 
 def memory_here(device: str) -> int:
-    """Total memory of `device` on this machine in bytes: the GPU's, or the RAM."""
+    """Total memory of `device` on this machine in bytes: the GPU's, or the RAM (also where a
+    driver is present but this torch cannot query the GPU)."""
     device = resolve_device(device)
     if device.startswith("cuda"):
         import torch
 
-        index = int(device.split(":")[1]) if ":" in device else 0
-        return torch.cuda.get_device_properties(index).total_memory
+        if torch.cuda.is_available():
+            index = int(device.split(":")[1]) if ":" in device else 0
+            return torch.cuda.get_device_properties(index).total_memory
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
