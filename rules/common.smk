@@ -82,6 +82,16 @@ def engine_evaluates(drafter):
     return PARAMS.drafter(drafter)["evaluate"]["engine"] != "none"
 
 
+def evaluate_gpus(drafter):
+    """The evaluate rule's `gpu` resource: the engine eaglet starts (tensor parallel), else one
+    for the in-process decoder; none for an operator's engine alone."""
+    cfg = PARAMS.drafter(drafter)["evaluate"]
+    in_process = KEYS.provenance("evaluate", drafter)["params"]["evaluate"]["in_process"]
+    engine = cfg["engine_tensor_parallel_size"] if cfg["engine"] != "none" else 0
+    engine = 0 if "engine_url" in cfg else engine
+    return gpus(cfg["device"], max(engine, int(in_process)))
+
+
 def remote_backend(dataset):
     """Whether the dataset's backend is a remote server (sglang, openai, vllm at a `url`) rather
     than computing here (in-process transformers, or a vLLM server eaglet starts)."""

@@ -12,7 +12,7 @@ rule evaluate:
     threads: 2
     resources:
         mem_mb=6000,
-        gpu=lambda wc: gpus(*placement(wc.drafter, "evaluate")),
+        gpu=lambda wc: evaluate_gpus(wc.drafter),
     params:
         eaglet=EAGLET,
         file=PARAMS_FILE,

@@ -10,6 +10,11 @@ taken from transformers' `output_hidden_states` at index SGL-id + 1) or `mode="f
 `faults` are served in order, one per request, before any answer: "503" (busy, with
 `Retry-After: 0`), "truncated" (a 200 whose JSON is cut in half), "drop" (the connection is
 closed without an answer).
+
+`mode="generate"` serves generation instead, as a target's server would: SGLang `/generate`
+(the model's real greedy output ids) and the OpenAI/OpenRouter chat route (the tokenizer's chat
+template, the real greedy answer decoded to text, usage with a cost at fake_llm's prices; a
+bearer key when `api_key` is set).
 """
 
 from __future__ import annotations
@@ -21,11 +26,23 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import torch
 
+from .fake_llm import PRICE_COMPLETION, PRICE_PROMPT
+
 
 class SGLangServer:
-    def __init__(self, model, mode: str, layer_ids: list[int], faults: list[str] = ()):
+    def __init__(
+        self,
+        model,
+        mode: str,
+        layer_ids: list[int] = (),
+        faults: list[str] = (),
+        tokenizer=None,
+        api_key: str | None = None,
+    ):
         self.model, self.mode, self.layer_ids = model, mode, layer_ids
         self.faults = list(faults)
+        self.tokenizer, self.api_key = tokenizer, api_key
+        self.routes: dict[str, int] = {}  # path -> requests answered
         self.requests = 0
         self._lock = threading.Lock()
         self._httpd = ThreadingHTTPServer(("127.0.0.1", 0), self._handler())
@@ -62,6 +79,66 @@ class SGLangServer:
             },
         }
 
+    @torch.inference_mode()
+    def greedy(self, ids: list[int], max_new: int) -> list[int]:
+        """The model's greedy continuation of `ids`, up to its eos (kept) or `max_new` tokens."""
+        out: list[int] = []
+        stop = {self.model.config.eos_token_id, self.tokenizer.eos_token_id}
+        with self._lock:
+            while len(out) < max_new:
+                out.append(int(self.model(torch.tensor([ids + out])).logits[0, -1].argmax()))
+                if out[-1] in stop:
+                    break
+        return out
+
+    def generate(self, body: dict) -> dict:
+        """SGLang `/generate` (no hidden states): the model's real greedy output ids."""
+        ids, cap = body["input_ids"], body["sampling_params"]["max_new_tokens"]
+        out = self.greedy(ids, cap)
+        length = len(out) == cap and out[-1] != self.tokenizer.eos_token_id
+        finish = (
+            {"type": "length", "length": cap} if length else {"type": "stop", "matched": out[-1]}
+        )
+        return {
+            "text": self.tokenizer.decode(out, skip_special_tokens=True),
+            "output_ids": out,
+            "meta_info": {
+                "id": uuid.uuid4().hex,
+                "finish_reason": finish,
+                "prompt_tokens": len(ids),
+                "completion_tokens": len(out),
+                "cached_tokens": 0,
+            },
+        }
+
+    def chat(self, body: dict) -> dict:
+        """OpenAI/OpenRouter chat: the target's template, real greedy text, usage with cost."""
+        ids = self.tokenizer.apply_chat_template(
+            body["messages"], add_generation_prompt=True, tokenize=True, return_dict=False
+        )
+        out = self.greedy(list(ids), body["max_tokens"])
+        finish = "stop" if out[-1] == self.tokenizer.eos_token_id else "length"
+        cost = round(len(ids) * PRICE_PROMPT + len(out) * PRICE_COMPLETION, 10)
+        text = self.tokenizer.decode(out, skip_special_tokens=True)
+        return {
+            "id": "gen-" + uuid.uuid4().hex[:16],
+            "model": body.get("model"),
+            "provider": (body.get("provider") or {}).get("order", ["local"])[0],
+            "choices": [
+                {
+                    "index": 0,
+                    "message": {"role": "assistant", "content": text},
+                    "finish_reason": finish,
+                }
+            ],
+            "usage": {
+                "prompt_tokens": len(ids),
+                "completion_tokens": len(out),
+                "total_tokens": len(ids) + len(out),
+                "cost": cost,
+            },
+        }
+
     def _handler(self):
         server = self
 
@@ -84,6 +161,9 @@ class SGLangServer:
             def do_POST(self) -> None:
                 body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
                 server.requests += 1
+                server.routes[self.path] = server.routes.get(self.path, 0) + 1
+                if server.mode == "generate":
+                    return self._generation(body)
                 if self.path != "/generate":
                     return self._send(404, {"error": "not found"})
                 fault = server.faults.pop(0) if server.faults else None
@@ -100,5 +180,26 @@ class SGLangServer:
                 if ids and isinstance(ids[0], list):
                     return self._send(200, [server.answer(x) for x in ids])
                 return self._send(200, server.answer(ids))
+
+            def _generation(self, body: dict) -> None:
+                if self.path == "/generate":
+                    return self._send(200, server.generate(body))
+                if self.path not in ("/v1/chat/completions", "/chat/completions"):
+                    return self._send(404, {"error": "not found"})
+                if (
+                    server.api_key
+                    and self.headers.get("Authorization") != f"Bearer {server.api_key}"
+                ):
+                    return self._send(401, {"error": {"code": 401, "message": "No auth"}})
+                return self._send(200, server.chat(body))
+
+            def do_GET(self) -> None:
+                if self.path in ("/health", "/get_model_info", "/v1/models", "/v1/key"):
+                    pricing = {"prompt": str(PRICE_PROMPT), "completion": str(PRICE_COMPLETION)}
+                    data = {"data": [{"id": "target", "pricing": pricing}], "model_path": "target"}
+                    if self.path == "/v1/key":
+                        data = {"data": {"limit": 10.0, "limit_remaining": 10.0}}
+                    return self._send(200, data)
+                return self._send(404, {"error": "not found"})
 
         return Handler

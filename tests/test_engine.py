@@ -8,6 +8,7 @@ exit, an exception, a failed start, SIGINT to a stage, SIGTERM, or SIGKILL of it
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import signal
 import subprocess
@@ -23,7 +24,8 @@ from eaglet import engine_eval, export, speculative, train
 from eaglet.drafter import Drafter
 from eaglet.engines.vllm import Engine, ServeConfig, eagle3
 from eaglet.errors import EagletError
-from eaglet.target import materialize, resolve
+from eaglet.keys import Keys
+from eaglet.target import materialize, resolve, spec_of
 
 from .conftest import ROOT, tiny_params, write_params
 from .hidden_fixture import tiny_llama
@@ -286,3 +288,35 @@ def test_evaluate_measures_acceptance_with_the_engine(project):
     assert stats["acceptance_length"] == first["acceptance_length"]
     row = next(r for r in status.collect(params) if r["stage"] == "evaluate")
     assert status._summary(row).startswith("vLLM acceptance length: natural t=0 ")
+    greedy_al = {
+        name: suite["vllm"]["temperature_0"]["num_steps_2"]["acceptance_length"]
+        for name, suite in metrics["suites"].items()
+    }
+
+    # engine only: eaglet loads no target, the engine's numbers are the same run's
+    data["drafters"]["d"]["evaluate"]["in_process"] = False
+    alone = load(write_params(project, data))
+    assert Keys(alone).key("evaluate", "d") != Keys(params).key("evaluate", "d")
+    out = evaluate.build(alone, "d", threads=2, quiet=True)
+    solo = json.loads((out / "metrics.json").read_text())
+    assert not solo["in_process"] and solo["offline"] == metrics["offline"]  # lm_head alone
+    for name, suite in solo["suites"].items():
+        greedy = suite["vllm"]["temperature_0"]["num_steps_2"]
+        assert suite["eaglet"] == {} and "agreement" not in suite
+        assert greedy["acceptance_length"] == greedy_al[name] and greedy["greedy_equal"]
+
+    # an operator's engine already serving the export: the same counters, read at its URL
+    target = spec_of(alone)
+    serve = ServeConfig(model=materialize(target), served_name=target.name)
+    spec = dataclasses.replace(serve, speculative=eagle3(Keys(alone).path("vllm", "d"), 2))
+    with Engine(spec) as engine:
+        data["drafters"]["d"]["evaluate"]["engine_url"] = engine.url
+        op = load(write_params(project, data))
+        out = evaluate.build(op, "d", threads=2, quiet=True)
+    m = json.loads((out / "metrics.json").read_text())
+    assert m["engine"]["operator"] and m["greedy_reference"] is None
+    for name, suite in m["suites"].items():
+        greedy = suite["vllm"]["temperature_0"]["num_steps_2"]
+        assert greedy["acceptance_length"] == greedy_al[name]
+        assert "greedy_equal" not in greedy  # no plain run to compare with
+    assert not servers()

@@ -148,3 +148,90 @@ def test_cli_error_is_one_line_exit_2(tmp_path):
     assert r.returncode == 2
     assert r.stderr.count("\n") == 1 and "Traceback" not in r.stderr
     assert "datasets.a.max_samples" in r.stderr
+
+
+# ---------------------------------------------------------------------------- overlays
+
+
+def test_overlay_merges_onto_the_production_file(tmp_path):
+    """`extends:` = the example with a few keys changed: mappings merge, null removes, lists
+    and scalars replace; the merged document is what is validated and used."""
+    example = load(ROOT / "examples" / "kimi-k2.5.params.yaml")
+    overlay = tmp_path / "smoke.yaml"
+    overlay.write_text(
+        f"extends: {ROOT / 'examples' / 'kimi-k2.5.params.yaml'}\n"
+        "target: {model: smollm2-135m-instruct, max_length: 512, revision: null,"
+        " trust_remote_code: null}\n"
+        "hidden: {url: null, spool: null}\n"
+        "datasets: {B2_opencodeinstruct: {max_samples: 4, token_budget: null}}\n"
+        "drafters: {kimi_k25_eagle3: {datasets: [B2_opencodeinstruct]}}\n"
+    )
+    p = load(overlay)
+    assert p.path == overlay and p.root == tmp_path  # paths resolve against the overlay
+    target = {"model": "smollm2-135m-instruct", "max_length": 512, "trust_remote_code": False}
+    assert p.target == target  # null removed the example's revision and trust: the default
+    assert "url" not in p.data["hidden"] and p.data["hidden"]["fp8"] is True  # kept
+    b2 = p.dataset("B2_opencodeinstruct")
+    assert (
+        b2["max_samples"] == 4 and "token_budget" not in b2 and b2["format"] == "opencodeinstruct"
+    )
+    assert p.datasets == example.datasets  # the others untouched
+    assert p.drafter("kimi_k25_eagle3")["datasets"] == ["B2_opencodeinstruct"]
+    assert p.drafter("kimi_k25_eagle3")["train"] == example.drafter("kimi_k25_eagle3")["train"]
+    assert p.backend("openrouter") == example.backend("openrouter")
+
+
+def test_overlay_keys_are_those_of_the_merged_file(project):
+    """An overlay and the flat file it amounts to put every artifact at the same key."""
+    import yaml
+
+    from eaglet.keys import Keys
+
+    from .conftest import tiny_params
+
+    base = tiny_params()
+    write_params(project, base)
+    (project / "smoke.yaml").write_text(
+        "extends: params.yaml\ngeneration: {max_new_tokens: 4}\ndatasets: {sg: {max_samples: 2}}\n"
+    )
+    base["generation"]["max_new_tokens"] = 4
+    base["datasets"]["sg"]["max_samples"] = 2
+    (project / "flat.yaml").write_text(yaml.safe_dump(base))
+    over, flat, orig = (load(project / f) for f in ("smoke.yaml", "flat.yaml", "params.yaml"))
+    for stage, ds in (("prompts", "sg"), ("responses", "sg"), ("responses", "dolly")):
+        assert Keys(over).path(stage, ds) == Keys(flat).path(stage, ds)
+    assert Keys(over).key("responses", "dolly") != Keys(orig).key("responses", "dolly")
+    assert Keys(over).key("prompts", "dolly") == Keys(orig).key("prompts", "dolly")
+
+
+@pytest.mark.parametrize(
+    ("overlay", "expected"),
+    [
+        ("extends: params.yaml\ndatasets: {a: {max_samples: 0}}", "datasets.a.max_samples: 0"),
+        ("extends: params.yaml\ntarget: null", "'target' is a required property"),
+        ("extends: nowhere.yaml\n", "nowhere.yaml: no such params file"),
+        ("extends: smoke.yaml\n", "extends: a cycle"),
+        ("extends: [params.yaml]\n", "extends: expected the path"),
+    ],
+)
+def test_overlay_errors(tmp_path, overlay, expected):
+    (tmp_path / "params.yaml").write_text(BASE + "datasets: {a: {path: x}}")
+    (tmp_path / "smoke.yaml").write_text(overlay)
+    with pytest.raises(EagletError, match=expected) as e:
+        load(tmp_path / "smoke.yaml")
+    assert "\n" not in str(e.value)
+
+
+def test_the_shipped_smoke_overlay_is_the_example_cut_down():
+    """examples/kimi-k2.5.smoke.yaml: the production file's stages and backends, smaller."""
+    example = load(ROOT / "examples" / "kimi-k2.5.params.yaml")
+    smoke = load(ROOT / "examples" / "kimi-k2.5.smoke.yaml")
+    assert smoke.target == example.target and list(smoke.datasets) == list(example.datasets)
+    for ds in example.datasets:
+        assert smoke.dataset(ds)["max_samples"] <= 50 < example.dataset(ds)["max_samples"]
+        assert smoke.dataset(ds)["format"] == example.dataset(ds)["format"]
+    assert (
+        smoke.data["budget"]["max_cost_usd"] == 5 and smoke.data["hidden"] == example.data["hidden"]
+    )
+    ev = smoke.drafter("kimi_k25_eagle3")["evaluate"]
+    assert ev["engine_tensor_parallel_size"] == 8 and ev["num_steps"] == [3]

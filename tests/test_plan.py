@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import json
 import math
+from pathlib import Path
 
 import pytest
+from safetensors import safe_open
 
 from eaglet import arch, export, plan
 from eaglet.cli import main
@@ -177,3 +179,98 @@ def test_training_memory_of_the_example(capsys):
     assert main(args) == 0
     line = next(x for x in capsys.readouterr().out.splitlines() if "on A1_deepswekimi" in x)
     assert line.endswith("tokens)") and ": fits (" in line
+
+
+# ---------------------------------------------------------------------------- the whole run
+
+
+def test_the_run_stage_by_stage(capsys):
+    """One row per stage, placed on the user's node (8 x 96 GB) by arithmetic checked here
+    against its inputs; evaluation on the serving engine, never in-process."""
+    import torch
+
+    from eaglet import footprint, placement
+    from eaglet.drafter import Drafter
+
+    params = load(EXAMPLE)
+    report = plan.plan(params, CONFIG)
+    rows = {r["stage"]: r for r in report["stages"]["rows"]}
+    stages = [f"generate {ds}" for ds in USER_DATASETS] + ["hidden states (all datasets)"]
+    stages += [f"{s} kimi_k25_eagle3" for s in ("vocab", "train", "evaluate", "export")]
+    assert list(rows) == stages
+    # A1 on the local SGLang server across the node: weights / 8, Kimi's MLA latent per token
+    a1 = rows["generate A1_deepswekimi"]
+    assert "TP 8 on this node" in a1["runs_on"]
+    kv_seq = 61 * (512 + 64) * 2 * 32768
+    assert a1["gpu_gb"] == {"weights_gb": 554 / 8, "kv_gb_per_seq": kv_seq / 1e9, "seqs": 64}
+    held = int((0.9 * 96e9 - 554e9 / 8) // kv_seq)
+    assert a1["fits"] == f"fits {held} of 64 in flight" and held == 7
+    assert a1["seconds"] == pytest.approx(3000 / 0.35)  # the measured 0.3-0.4 req/s
+    b2 = rows["generate B2_opencodeinstruct"]
+    assert "openrouter.ai API" in b2["runs_on"] and b2["seconds"] == pytest.approx(25e6 / 16700)
+    # training: torchrun x 8, its memory the largest per-dataset peak of eaglet.train_memory
+    train = rows["train kimi_k25_eagle3"]
+    peaks = {r["dataset"]: r["peak_bytes"] for r in report["training"]}
+    a1_peak = f"{peaks['A1_deepswekimi'] / 2**30:.1f} GiB at 32,768 tokens (A1_deepswekimi)"
+    assert max(peaks, key=peaks.get) == "A1_deepswekimi"
+    assert train["runs_on"] == "torchrun x 8" and train["gpu_gb"] == a1_peak
+    assert train["fits"] == "fits"
+    hidden = sum(r["hidden_tokens"]["expected"] for r in report["datasets"])
+    assert train["seconds"] == pytest.approx(3 * 0.9 * hidden / 10000)
+    # evaluation: eaglet's vLLM TP 8 serving the target and the drafter, plain + 2 num_steps
+    ev = rows["evaluate kimi_k25_eagle3"]
+    assert ev["runs_on"] == "vLLM TP 8 (eaglet starts, 3 engines)" and ev["fits"] == "fits"
+    with torch.device("meta"):
+        n = sum(p.numel() for p in Drafter(kimi_drafter(params)).parameters())
+    text = json.loads(CONFIG.read_text())["text_config"]
+    trained, embed = placement.drafter_parameters(text, arch.resolve(text, {}, "c"), 32000)
+    assert trained + embed == n  # the drafter's real module, built on the meta device
+    assert ev["gpu_gb"]["weights_gb"] == pytest.approx((554e9 + 2 * n) / 8 / 1e9)
+    text = json.loads(CONFIG.read_text())["text_config"]
+    assert not footprint.in_process(params.drafter("kimi_k25_eagle3")["evaluate"], text)
+    wall = report["stages"]["wall_s"]
+    node = sum(r["seconds"] for r in report["stages"]["rows"][8:])
+    assert wall == pytest.approx(max(report["stages"]["generation_api_s"], 3000 / 0.35) + node)
+    assert main(["plan", "--params", str(EXAMPLE), "--target-config", str(CONFIG)]) == 0
+    out = capsys.readouterr().out
+    assert "| evaluate kimi_k25_eagle3 | vLLM TP 8" in out and "wall clock (expected)" in out
+
+
+def test_an_evaluation_that_fits_nowhere_is_refused(tmp_path):
+    """The example without its engine: the plan says DOES NOT FIT, the keys refuse it."""
+    overlay = tmp_path / "no-engine.yaml"
+    overlay.write_text(
+        f"extends: {EXAMPLE}\ndrafters: {{kimi_k25_eagle3: {{evaluate: {{engine: none}}}}}}\n"
+    )
+    report = plan.plan(load(overlay), CONFIG)
+    ev = report["stages"]["rows"][-2]
+    assert ev["fits"] == "DOES NOT FIT" and ev["runs_on"].startswith("nowhere")
+
+
+def test_in_process_evaluation_only_where_the_target_fits(project, monkeypatch):
+    """SmolLM2 fits this machine, so `auto` decodes in-process; on a machine of 100 MB it does
+    not, and with no engine the evaluate key refuses (one line) instead of trying."""
+    from eaglet import footprint
+    from eaglet.errors import EagletError
+    from eaglet.keys import Keys
+    from eaglet.target import materialize, resolve
+
+    from .conftest import tiny_params, write_params
+
+    folder = materialize(resolve("smollm2-135m-instruct"))
+    with safe_open(f"{folder}/model.safetensors", "pt") as f:
+        names = [k for k in f.keys() if "norm" not in k]  # noqa: SIM118 (not a dict)
+        shapes = [f.get_slice(k).get_shape() for k in names]
+    counted = sum(math.prod(s) for s in shapes)  # norms aside, as the count leaves them
+    text = json.loads((Path(folder) / "config.json").read_text())
+    assert footprint.parameters(text) == counted
+    params = load(write_params(project, tiny_params()))
+    keys = Keys(params)
+    assert keys.provenance("evaluate", "d")["params"]["evaluate"]["in_process"] is True
+    monkeypatch.setattr(footprint, "memory_here", lambda device: 100_000_000)
+    with pytest.raises(EagletError, match="does not fit in this machine's memory in float32"):
+        Keys(params).key("evaluate", "d")
+    data = tiny_params()
+    data["drafters"]["d"]["evaluate"]["engine"] = "vllm"
+    engine_only = Keys(load(write_params(project, data)))
+    assert engine_only.provenance("evaluate", "d")["params"]["evaluate"]["in_process"] is False

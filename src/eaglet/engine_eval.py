@@ -20,6 +20,7 @@ from pathlib import Path
 import httpx
 
 from eaglet.engines.vllm import Engine, ServeConfig, eagle3, spec_counters
+from eaglet.errors import EagletError
 from eaglet.speculative import against_greedy
 
 
@@ -131,3 +132,30 @@ def _speculative(r: dict, plain: dict | None) -> dict:
     same = [a == b for a, b in zip(r["outputs"], plain["outputs"], strict=True)]
     m.update(against_greedy(same, tps, plain["tokens"] / plain["seconds"]))
     return m
+
+
+def measure_running(
+    url: str, model: str, suites: dict[str, list[list[int]]], cfg: dict, stop: list[int]
+) -> dict:
+    """Every suite on an operator's engine already serving the drafter with `num_steps` draft
+    tokens, at each temperature: acceptance from its counters. No plain run, so no greedy
+    reference and no speedup."""
+    (num_steps,) = cfg["num_steps"]
+    max_new, conc = cfg["max_new_tokens"], cfg["engine_concurrency"]
+    per_suite: dict = {}
+    with Engine(url=url) as engine:
+        for name, prompts in suites.items():
+            per_suite[name] = {"greedy_tokens_per_s": None, "greedy_outputs": None}
+            for t in cfg["temperatures"]:
+                r = run(engine, model, prompts, max_new, stop, conc, t, cfg["seed"])
+                m = r["counters"].summary()
+                if len(m["acceptance_rate"]) != num_steps:
+                    raise EagletError(
+                        f"{url}: the engine drafts {len(m['acceptance_rate'])} tokens a step "
+                        f"(its num_speculative_tokens), evaluate.num_steps says {num_steps}"
+                    )
+                m.update(
+                    generated_tokens=r["tokens"], tokens_per_s=round(r["tokens"] / r["seconds"], 2)
+                )
+                per_suite[name][temperature_key(t)] = {f"num_steps_{num_steps}": m}
+    return {"engine": "vllm", "operator": True, "concurrency": conc, "suites": per_suite}

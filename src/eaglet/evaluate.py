@@ -30,13 +30,13 @@ from eaglet.atomic import atomic_path
 from eaglet.chat import stop_ids
 from eaglet.drafter import Drafter
 from eaglet.engine_eval import temperature_key
-from eaglet.engines.vllm import ServeConfig, multimodal
+from eaglet.engines.vllm import ServeConfig, multimodal, target_stop_ids
 from eaglet.errors import EagletError
 from eaglet.io import write_json
 from eaglet.keys import Keys, sidecar_of
 from eaglet.params import Params
 from eaglet.progress import Progress
-from eaglet.target import load_model, load_tokenizer, materialize, spec_of
+from eaglet.target import load_head, load_model, load_tokenizer, materialize, pick_device, spec_of
 
 
 def prompt_of(sample: dict) -> list[int] | None:
@@ -163,10 +163,14 @@ def engine_metrics(
     stop: set[int],
     threads: int | None,
 ) -> dict:
-    """Every suite run by vLLM serving the target with the drafter's vLLM export."""
+    """Every suite run by vLLM serving the target with the drafter's vLLM export (started here),
+    or by an operator's engine already serving it (`engine_url`)."""
     cfg = params.drafter(drafter)["evaluate"]
-    export = engine_export(params, drafter)
     spec = spec_of(params)
+    if "engine_url" in cfg:  # an operator's engine, already serving this drafter
+        return engine_eval.measure_running(cfg["engine_url"], spec.name, prompts, cfg, sorted(stop))
+    export = engine_export(params, drafter)
+    longest = max(len(p) for ps in prompts.values() for p in ps) + cfg["max_new_tokens"]
     serve = ServeConfig(
         model=materialize(spec),
         revision=spec.revision,
@@ -174,10 +178,12 @@ def engine_metrics(
         language_model_only=multimodal(spec),
         served_name=spec.name,
         dtype=cfg["dtype"],
-        max_model_len=params.target["max_length"],
+        max_model_len=max(params.target["max_length"], longest),
         max_num_seqs=cfg["engine_concurrency"],
         enforce_eager=cfg["engine_eager"],
+        tensor_parallel_size=cfg["engine_tensor_parallel_size"],
         threads=threads or 0,
+        extra_args=tuple(cfg["engine_extra_args"]),
     )
     return engine_eval.measure(serve, export, prompts, cfg, sorted(stop))
 
@@ -308,16 +314,21 @@ def measure_suites(
     params: Params,
     drafter: str,
     model: Drafter,
-    target_model: torch.nn.Module,
+    target_model: torch.nn.Module | None,
     readers: list,
     held: list,
     threads: int | None,
     quiet: bool,
 ) -> tuple[dict, dict | None]:
-    """Every suite decoded by the engine (if configured) and by eaglet: the per-suite metrics."""
+    """Every suite decoded by the engine (if configured) and by eaglet (if the target is loaded
+    here, `target_model`): the per-suite metrics."""
     cfg = params.drafter(drafter)["evaluate"]
-    tokenizer = load_tokenizer(spec_of(params))
-    stop = set(stop_ids(tokenizer, target_model))
+    spec = spec_of(params)
+    tokenizer = load_tokenizer(spec)
+    if target_model is not None:
+        stop = set(stop_ids(tokenizer, target_model))
+    else:
+        stop = set(target_stop_ids(tokenizer, materialize(spec)))
     own_split = (
         [] if suites.configured(params, drafter) else heldout_prompts(readers, held, cfg["prompts"])
     )
@@ -328,7 +339,7 @@ def measure_suites(
     engine = (
         engine_metrics(params, drafter, prompts, stop, threads) if cfg["engine"] == "vllm" else None
     )
-    target = speculative.Target(target_model, list(model.cfg.aux_layer_ids))
+    target = target_model and speculative.Target(target_model, list(model.cfg.aux_layer_ids))
     sources = suite_sources(params, drafter)
     out = {}
     for name, p in prompts.items():
@@ -338,13 +349,13 @@ def measure_suites(
             temperature_key(t): decode_all(
                 target, model, p, cfg, stop, quiet, ref, f"evaluate {name} t={t:g}", t
             )
-            for t in cfg["temperatures"]
+            for t in (cfg["temperatures"] if target else [])
         }
         out[name] = {"prompts": len(p), "source": sources[name], "eaglet": own}
         if e:
             out[name]["vllm_greedy_tokens_per_s"] = e.pop("greedy_tokens_per_s")
             out[name]["vllm"] = e
-            if "temperature_0" in e:
+            if "temperature_0" in e and own and ref:
                 out[name]["agreement"] = agreement(own["temperature_0"], e["temperature_0"])
     return out, ({k: v for k, v in engine.items() if k != "suites"} if engine else None)
 
@@ -360,29 +371,37 @@ def build(
     if threads:
         torch.set_num_threads(threads)
     keys = Keys(params)
-    prov = keys.provenance("evaluate", drafter)
+    prov = keys.provenance("evaluate", drafter)  # refuses a target that fits nowhere
+    own_decoder = prov["params"]["evaluate"]["in_process"]
     out = Path(out) if out else keys.path("evaluate", drafter)
     d = params.drafter(drafter)
     cfg = d["evaluate"]
-    if cfg["engine"] == "vllm":
+    if cfg["engine"] == "vllm" and "engine_url" not in cfg:
         engine_export(params, drafter)  # before decoding: fail fast
     readers = drafter_data.open_readers(params, drafter)
     _, held = drafter_data.split(readers, d["heldout_fraction"])
     trained = keys.path("train", drafter)
     model = train.load(trained)
-    target_model = load_model(spec_of(params), cfg["device"], cfg["dtype"])
-    model.to(next(target_model.parameters()).device)
+    if own_decoder:
+        target_model = load_model(spec_of(params), cfg["device"], cfg["dtype"])
+        lm_head = target_model.lm_head.weight
+    else:  # the engine decodes; the offline estimate needs only the lm_head
+        target_model = None
+        lm_head = load_head(spec_of(params))[1].to(pick_device(cfg["device"]))
+    model.to(lm_head.device)
     t0 = time.monotonic()
     per_suite, engine = measure_suites(
         params, drafter, model, target_model, readers, held, threads, quiet
     )
+    reference = engine is not None and not engine.get("operator")
     metrics = {
         "drafter": drafter,
         "prompts": sum(m["prompts"] for m in per_suite.values()),
         "temperatures": cfg["temperatures"],
-        "greedy_reference": "vllm" if engine else "eaglet",
+        "greedy_reference": "vllm" if reference else ("eaglet" if own_decoder else None),
+        "in_process": own_decoder,
         "suites": per_suite,
-        "offline": offline(model, readers, held, target_model.lm_head.weight, cfg["num_steps"]),
+        "offline": offline(model, readers, held, lm_head, cfg["num_steps"]),
         "engine": engine,
         "notes": NOTES,
     }

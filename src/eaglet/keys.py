@@ -24,6 +24,7 @@ from pathlib import Path
 from eaglet import __version__, arch
 from eaglet.device import device_type, resolve_dtype
 from eaglet.errors import EagletError
+from eaglet.footprint import in_process, in_process_bytes
 from eaglet.hashing import JsonCache, file_digest
 from eaglet.io import dumps
 from eaglet.params import Params
@@ -77,11 +78,13 @@ PLUMBING = frozenset(
         "eaglet.engines",  # the package (a docstring)
         "eaglet.engines.reaper",  # ends an engine whose owner died
         "eaglet.errors",
+        "eaglet.footprint",  # resolves evaluate.in_process: the resolved value is in the key
         "eaglet.foreign",
         "eaglet.hashing",
         "eaglet.hidden_verify",
         "eaglet.keys",
         "eaglet.params",
+        "eaglet.placement",  # `eaglet plan` only
         "eaglet.plan",
         "eaglet.preflight",
         "eaglet.progress",
@@ -366,7 +369,17 @@ def _train_slice(keys: Keys, drafter: str) -> tuple[dict, dict]:
 
 def _evaluate_slice(keys: Keys, drafter: str) -> tuple[dict, dict]:
     d = keys.params.drafter(drafter)
+    text, where, _ = keys.target_text_config()
     evaluate = dict(d["evaluate"], device=device_type(d["evaluate"]["device"]))
+    evaluate["in_process"] = in_process(d["evaluate"], text)
+    if not evaluate["in_process"] and evaluate["engine"] == "none":
+        raise EagletError(
+            f"drafters.{drafter}.evaluate: the target ({where}) does not fit in this machine's "
+            f"memory in {evaluate['dtype']} ({in_process_bytes(text, evaluate['dtype']) / 1e9:.0f}"
+            " GB): set engine: vllm (evaluation on the serving engine), or in_process: true"
+        )
+    if evaluate.pop("engine_url", None):  # where it listens is plumbing, whose engine is not
+        evaluate["engine_operator"] = True
     if "suites" in evaluate:  # each file's bytes, not where it lies
         evaluate["suites"] = {
             name: {

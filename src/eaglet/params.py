@@ -113,8 +113,18 @@ class Params:
 
 
 def load(path: str | os.PathLike = "params.yaml") -> Params:
-    """Read, validate and complete a params file; raise EagletError with a one-line reason."""
+    """Read, validate and complete a params file; raise EagletError with a one-line reason.
+
+    A file with `extends: <params file>` (relative to itself) is an overlay: the base is read
+    (itself maybe an overlay), this file is merged onto it as a JSON Merge Patch (RFC 7396:
+    mappings merge key by key, `null` removes a key, any other value replaces), and the result
+    is validated and keyed as one params file whose paths resolve against the overlay's folder.
+    """
     path = Path(path).resolve()
+    return from_dict(_merged(path, ()), path)
+
+
+def _read(path: Path) -> dict:
     try:
         raw = read_yaml(path.read_text(encoding="utf-8"))
     except FileNotFoundError:
@@ -126,7 +136,35 @@ def load(path: str | os.PathLike = "params.yaml") -> Params:
         raise EagletError(f"{path}:{where} invalid YAML: {problem}") from None
     if not isinstance(raw, dict):
         raise EagletError(f"{path}: expected a mapping at the top level")
-    return from_dict(raw, path)
+    return raw
+
+
+def _merged(path: Path, chain: tuple[Path, ...]) -> dict:
+    """The params file at `path` with its `extends:` chain applied."""
+    if path in chain:
+        raise EagletError(f"{path}: extends: a cycle ({' -> '.join(map(str, (*chain, path)))})")
+    raw = _read(path)
+    base = raw.pop("extends", None)
+    if base is None:
+        return raw
+    if not isinstance(base, str) or not base:
+        raise EagletError(f"{path}: extends: expected the path of a params file")
+    parent = Path(os.path.expanduser(base))
+    parent = (parent if parent.is_absolute() else path.parent / parent).resolve()
+    return merge_patch(_merged(parent, (*chain, path)), raw)
+
+
+def merge_patch(base: Any, patch: Any) -> Any:
+    """RFC 7396: `patch` applied to `base` (neither is modified)."""
+    if not isinstance(patch, dict):
+        return copy.deepcopy(patch)
+    out = copy.deepcopy(base) if isinstance(base, dict) else {}
+    for key, value in patch.items():
+        if value is None:
+            out.pop(key, None)
+        else:
+            out[key] = merge_patch(out.get(key), value)
+    return out
 
 
 def from_dict(raw: dict, path: Path) -> Params:
@@ -163,6 +201,12 @@ def _check_references(data: dict, path: Path) -> None:
         for i, ds in enumerate(drafter["datasets"]):
             if ds not in data["datasets"]:
                 raise EagletError(f"{path}: drafters.{name}.datasets.{i}: unknown dataset '{ds}'")
+        ev = drafter["evaluate"]
+        if "engine_url" in ev and (ev["engine"] != "vllm" or len(ev["num_steps"]) != 1):
+            raise EagletError(
+                f"{path}: drafters.{name}.evaluate.engine_url: needs engine: vllm and one "
+                f"num_steps (the running engine's num_speculative_tokens), not {ev['num_steps']}"
+            )
 
 
 def _resolve_ref(node: dict, root: dict) -> dict:

@@ -29,7 +29,7 @@ import os
 import shutil
 from pathlib import Path
 
-from eaglet import arch, train_memory
+from eaglet import arch, placement, train_memory
 from eaglet.device import resolve_dtype
 from eaglet.errors import EagletError
 from eaglet.io import read_json
@@ -76,14 +76,9 @@ def target_text(params: Params, config: Path | None = None) -> tuple[dict, str, 
                 "give it with --target-config"
             ) from None
     text, prefix = text_config(raw)
+    for field in ("hidden_size", "num_hidden_layers"):
+        need(text, field, where, prefix)
     return text, where, prefix
-
-
-def target_shape(params: Params, config: Path | None = None) -> tuple[int, int, str]:
-    """(hidden size, layers, where) of the target's language model, from config.json alone."""
-    text, where, prefix = target_text(params, config)
-    width, layers = (need(text, f, where, prefix) for f in ("hidden_size", "num_hidden_layers"))
-    return width, layers, where
 
 
 def training_memory(
@@ -192,6 +187,7 @@ def dataset_plan(keys: Keys, ds: str, token_bytes: float) -> dict:
         "dataset": ds,
         "backend": gen["backend"],
         "prompts": n,
+        "answered": n_exp,
         "prompts_from": source,
         "max_length": max_len,
         "completion_tokens": tok,
@@ -225,8 +221,10 @@ def plan(params: Params, target_config: Path | None = None, gpu_memory: float = 
     free = shutil.disk_usage(probe).free
     fits = {k: None if v is None else v <= free for k, v in total["hidden_bytes"].items()}
     shown = os.path.relpath(probe) if probe.is_relative_to(Path.cwd()) else str(probe)
+    training = training_memory(params, text, where, prefix, gpu_memory)
     return {
         "target": {"config": where, "hidden_size": width, "num_hidden_layers": layers},
+        "stages": placement.stages(keys, text, where, rows, total, fits, training),
         "storage": {
             "dtype": h["dtype"],
             "fp8": h["fp8"],
@@ -237,7 +235,7 @@ def plan(params: Params, target_config: Path | None = None, gpu_memory: float = 
         "total": total,
         "disk": {"path": shown, "free_bytes": free, "fits": fits},
         "hidden_modes": mode_rows(params, rows, free),
-        "training": training_memory(params, text, where, prefix, gpu_memory),
+        "training": training,
     }
 
 
@@ -338,7 +336,10 @@ def render(report: dict) -> str:
             "",
             disk,
             "",
+            *render_stages(report["stages"]),
+            "",
             *render_modes(report),
+            "",
             *render_training(report["training"]),
         ]
     )
@@ -359,3 +360,30 @@ def render_modes(report: dict) -> list[str]:
         disk = f"{_num(r['disk_bytes'], 'B')} ({verdict[r['fits']]})"
         lines.append(f"| {r['mode']} | {disk} | {_num(r['prefill_tokens_per_epoch'])} | {total} |")
     return lines
+
+
+def _hours(s: float | None) -> str:
+    if s is None:
+        return "?"
+    return f"{s / 3600:.1f} h" if s >= 3600 else f"{s / 60:.0f} min"
+
+
+def render_stages(st: dict) -> list[str]:
+    """The run stage by stage, and its total wall clock."""
+    cols = ["stage", "runs on", "GPU memory / device", "fits", "disk", "cost", "time (exp)"]
+    lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+    for r in st["rows"]:
+        mem = r["gpu_gb"]
+        if isinstance(mem, dict):
+            kv = f"{mem['kv_gb_per_seq']:.2f} GB KV x {mem['seqs']}"
+            mem = f"{mem['weights_gb']:.1f} GB weights + {kv}"
+        mem = "-" if mem is None else mem
+        disk = "-" if r["disk_bytes"] is None else _num(r["disk_bytes"], "B")
+        cells = [r["stage"], r["runs_on"], mem, r["fits"], disk, _usd(r["cost_usd"])]
+        lines.append("| " + " | ".join([*cells, _hours(r["seconds"])]) + " |")
+    wall = (
+        f"wall clock (expected): {_hours(st['wall_s'])} = max(API generation "
+        f"{_hours(st['generation_api_s'])}, generation on the node "
+        f"{_hours(st['generation_node_s'])}) + the node's stages in sequence"
+    )
+    return [*lines, "", wall]

@@ -1,0 +1,194 @@
+"""The dress rehearsal: the user's production file, run by `snakemake` to the end.
+
+`examples/kimi-k2.5.params.yaml` itself, extended by an overlay that swaps only what cannot
+exist here: the target (a miniature Kimi-shaped model: `text_config` DeepSeek-V3 MLA + MoE,
+`language_model.` prefix, sharded), the endpoints (one loopback server answering both SGLang
+`/generate` and OpenRouter's chat route with the miniature's real greedy answers), the sizes
+(a few samples per dataset, short answers, a small token budget, 2 DDP processes on gloo), and
+two engine placements the miniature cannot take on this CPU:
+- hidden states: the example's operator vLLM (extract_hidden_states + spool) becomes an SGLang
+  pair (aux + last state, `tests/sglang_server.py`: real forward passes of the miniature);
+- evaluation: the example's vLLM TP 8 becomes the in-process decoder (`engine: none`,
+  `in_process: true`): vLLM's CPU MLA kernel runs only Kimi's own latent (512 + 64), not the
+  miniature's (16 + 8). A miniature with Kimi's latent puts both back on vLLM.
+The raw files are written here, one per format, at the example's own paths and extensions
+(.jsonl, .parquet, .json, .jsonl.gz, .jsonl.zst). Everything else is the example's: both
+generation backends, B2's token budget, the dollar budget, fp8 + zstd storage, the drafter's
+shape rules and 7 TTT steps, both exports.
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from eaglet.formats import BadRow, to_messages
+from eaglet.keys import Keys
+from eaglet.params import load
+from eaglet.readers import iter_rows
+from eaglet.target import SMOLLM2, load_model, load_tokenizer, materialize, resolve
+
+from .conftest import FIXTURES, ROOT
+from .kimi_fixture import tiny_kimi
+from .sglang_server import SGLangServer
+
+pytestmark = pytest.mark.slow
+
+EXAMPLE = ROOT / "examples" / "kimi-k2.5.params.yaml"
+KEY = "sk-rehearsal"
+DRAFTER = "kimi_k25_eagle3"
+
+
+def write_raw(root: Path, params_file: Path) -> None:
+    """Each dataset's raw file at the example's path, from the format fixtures' valid rows."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    import zstandard
+
+    for name, d in yaml.safe_load(params_file.read_text())["datasets"].items():
+        rows = []
+        for _, row, error in iter_rows(FIXTURES / "formats" / f"{d['format']}.jsonl"):
+            try:
+                if error is None and to_messages(row, d["format"]):
+                    rows.append(row)
+            except BadRow:
+                continue
+        path = root / d["path"]
+        path.parent.mkdir(parents=True, exist_ok=True)
+        lines = "".join(json.dumps(r) + "\n" for r in rows).encode()
+        if path.name.endswith(".parquet"):  # one column type: plain-string contents only
+            rows = [
+                r for r in rows if all(isinstance(m["content"], str) for m in r.get("messages", []))
+            ]
+            pq.write_table(pa.Table.from_pylist(rows), path)
+        elif path.name.endswith(".json"):
+            path.write_text(json.dumps(rows))
+        elif path.name.endswith(".gz"):
+            path.write_bytes(gzip.compress(lines))
+        elif path.name.endswith(".zst"):
+            path.write_bytes(zstandard.ZstdCompressor().compress(lines))
+        else:
+            path.write_bytes(lines)
+        assert rows, name
+
+
+def overlay(gen: str, aux: str, full: str, base: Path = EXAMPLE) -> str:
+    """The smoke overlay: target, endpoints, sizes, and the two engine swaps (module doc)."""
+    smaller = {ds: {"max_samples": 4} for ds in yaml.safe_load(base.read_text())["datasets"]}
+    smaller["B2_opencodeinstruct"] = {"max_samples": 4, "token_budget": 12}  # stops B2 early
+    smaller["A1_deepswekimi"] = {"max_samples": 4, "max_length": 256, "max_new_tokens": 8}
+    data = {
+        "extends": str(base),
+        "target": {"model": "target", "max_length": 192},
+        "backends": {
+            "sglang": {"url": gen, "concurrency": 2, "timeout_s": 60},
+            "openrouter": {"base_url": f"{gen}/v1", "concurrency": 2, "timeout_s": 60},
+        },
+        "generation": {"max_new_tokens": 8},
+        "hidden": {"backend": "sglang", "url": aux, "last_url": full, "spool": None},
+        "datasets": smaller,
+        "drafters": {
+            DRAFTER: {
+                "draft_vocab_size": 64,
+                "heldout_fraction": 0.2,
+                "train": {"processes": 2, "grad_accum": 1, "epochs": 1, "device": "cpu"},
+                "evaluate": {
+                    "engine": "none",
+                    "in_process": True,
+                    "dtype": "float32",
+                    "num_steps": [3],
+                    "prompts": 2,
+                    "max_new_tokens": 6,
+                },
+            }
+        },
+    }
+    return yaml.safe_dump(data, sort_keys=False)
+
+
+def rehearse(root: Path, params_file: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "OPENROUTER_API_KEY": KEY, "DVC_NO_ANALYTICS": "1"}
+    cmd = [sys.executable, "-m", "snakemake", "-s", str(ROOT / "Snakefile"), "--cores", "2"]
+    cmd += ["--config", f"params={params_file}"]
+    return subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=2700)
+
+
+@pytest.fixture(scope="module")
+def servers(tmp_path_factory):
+    """The miniature target and its three loopback servers (generation, aux and last states)."""
+    import torch
+
+    torch.set_num_threads(1)
+    root = tmp_path_factory.mktemp("rehearsal")
+    target = tiny_kimi(root / "target", materialize(resolve(SMOLLM2)))
+    spec = resolve(str(target))
+    model, tok = load_model(spec, "cpu", "float32"), load_tokenizer(spec)
+    layers = [1, 3, 4]  # SGLang's default for 8 layers: [1, N//2 - 1, N - 4]
+    with (
+        SGLangServer(model, "generate", tokenizer=tok, api_key=KEY) as gen,
+        SGLangServer(model, "aux", layers) as aux,
+        SGLangServer(model, "full", layers) as full,
+    ):
+        yield root, gen, aux, full
+
+
+def test_the_example_runs_to_the_end(servers):
+    root, gen, aux, full = servers
+    write_raw(root, EXAMPLE)
+    (root / "smoke.yaml").write_text(overlay(gen.url, aux.url, full.url))
+    r = rehearse(root, "smoke.yaml")
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-6000:]
+    params = load(root / "smoke.yaml")
+    keys = Keys(params)
+    status = subprocess.run(
+        [sys.executable, "-m", "eaglet", "status", "--json", "--params", "smoke.yaml"],
+        cwd=root,
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    rows = json.loads(status.stdout)
+    assert len(rows) == 8 * 3 + 5 and {r["state"] for r in rows} == {"up to date"}, rows
+    # both generation backends answered, each with the miniature's own greedy tokens
+    assert gen.routes["/generate"] >= 3 and gen.routes["/v1/chat/completions"] >= 7 * 3
+    side = {ds: json.loads(keys.sidecar("responses", ds).read_text()) for ds in params.datasets}
+    assert side["A1_deepswekimi"]["provenance"]["params"]["backend"]["kind"] == "sglang"
+    assert side["B5_lima"]["provenance"]["params"]["backend"]["kind"] == "openai"
+    b2 = side["B2_opencodeinstruct"]["stats"]  # 8-token answers against a 12-token budget
+    assert b2["stopped_by"] == "token_budget" and b2["responses"] < b2["prompts"]
+    assert all(s["stats"]["cost"] > 0 for d, s in side.items() if d.startswith("B"))
+    # hidden states through the SGLang pair, every sequence once to each
+    assert aux.requests == full.requests > 0
+    train = json.loads(keys.sidecar("train", DRAFTER).read_text())
+    assert train["provenance"]["params"]["train"]["processes"] == 2
+    assert train["stats"]["processes"] == 2
+    for fmt in ("sglang", "vllm"):
+        assert (keys.path(fmt, DRAFTER) / "config.json").is_file()
+    ev = json.loads(keys.sidecar("evaluate", DRAFTER).read_text())["stats"]
+    assert ev["acceptance_length"] >= 1.0 and ev["greedy_equal_num_steps_3"]
+
+
+def test_a_broken_example_fails_the_rehearsal(servers, tmp_path):
+    """The example with A1's format changed to one its file is not in: the rehearsal fails at
+    that dataset's prompts stage, and says so."""
+    root, gen, aux, full = servers
+    broken = tmp_path / "kimi-k2.5.params.yaml"
+    text = EXAMPLE.read_text()
+    assert text.count("format: agent") == 1
+    broken.write_text(text.replace("format: agent", "format: sharegpt"))
+    write_raw(tmp_path, EXAMPLE)
+    shutil.copytree(root / "target", tmp_path / "target")  # inside the project, as its own
+    (tmp_path / "smoke.yaml").write_text(overlay(gen.url, aux.url, full.url, broken))
+    r = rehearse(tmp_path, "smoke.yaml")
+    assert r.returncode != 0
+    assert (
+        "Error in rule prompts" in r.stdout + r.stderr and "A1_deepswekimi" in r.stdout + r.stderr
+    )
