@@ -264,7 +264,7 @@ def test_evaluate_measures_acceptance_with_the_engine(project):
     metrics = json.loads((out / "metrics.json").read_text())
     assert set(metrics["engine"]["startup_s"]) == {"plain", "num_steps_2"}
     assert metrics["greedy_reference"] == "vllm" and metrics["prompts"] == 3
-    assert list(metrics["suites"]) == ["natural", "humaneval"]
+    assert set(metrics["suites"]) == {"natural", "humaneval"}  # JSON keys sorted
     stats = json.loads(out.with_suffix(".json").read_text())["stats"]
     for name, n in (("natural", 2), ("humaneval", 1)):
         suite = metrics["suites"][name]

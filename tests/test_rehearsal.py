@@ -34,7 +34,7 @@ from eaglet.formats import BadRow, to_messages
 from eaglet.keys import Keys
 from eaglet.params import load
 from eaglet.readers import iter_rows
-from eaglet.target import SMOLLM2, load_model, load_tokenizer, materialize, resolve
+from eaglet.target import load_model, load_tokenizer, resolve
 
 from .conftest import FIXTURES, ROOT
 from .kimi_fixture import tiny_kimi
@@ -87,7 +87,7 @@ def overlay(gen: str, aux: str, full: str, base: Path = EXAMPLE) -> str:
     smaller["A1_deepswekimi"] = {"max_samples": 4, "max_length": 256, "max_new_tokens": 8}
     data = {
         "extends": str(base),
-        "target": {"model": "target", "max_length": 192},
+        "target": {"model": "target", "max_length": 192, "revision": None},
         "backends": {
             "sglang": {"url": gen, "concurrency": 2, "timeout_s": 60},
             "openrouter": {"base_url": f"{gen}/v1", "concurrency": 2, "timeout_s": 60},
@@ -107,6 +107,8 @@ def overlay(gen: str, aux: str, full: str, base: Path = EXAMPLE) -> str:
                     "num_steps": [3],
                     "prompts": 2,
                     "max_new_tokens": 6,
+                    "temperatures": [0],
+                    "suites": None,  # the example's files are the user's: the held-out split
                 },
             }
         },
@@ -128,8 +130,8 @@ def servers(tmp_path_factory):
 
     torch.set_num_threads(1)
     root = tmp_path_factory.mktemp("rehearsal")
-    target = tiny_kimi(root / "target", materialize(resolve(SMOLLM2)))
-    spec = resolve(str(target))
+    target = tiny_kimi(root / "target")  # its own tokenizer class: trusted, as the example says
+    spec = resolve(str(target), trust=True)
     model, tok = load_model(spec, "cpu", "float32"), load_tokenizer(spec)
     layers = [1, 3, 4]  # SGLang's default for 8 layers: [1, N//2 - 1, N - 4]
     with (
