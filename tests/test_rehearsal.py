@@ -175,7 +175,8 @@ def test_the_example_runs_to_the_end(servers):
     for fmt in ("sglang", "vllm"):
         assert (keys.path(fmt, DRAFTER) / "config.json").is_file()
     ev = json.loads(keys.sidecar("evaluate", DRAFTER).read_text())["stats"]
-    assert ev["acceptance_length"] >= 1.0 and ev["greedy_equal_num_steps_3"]
+    assert ev["acceptance_length"] >= 1.0 and ev["suites"]
+    assert all(all(s["greedy_equal"].values()) for s in ev["suites"].values()), ev
 
 
 def test_a_broken_example_fails_the_rehearsal(servers, tmp_path):
@@ -184,8 +185,9 @@ def test_a_broken_example_fails_the_rehearsal(servers, tmp_path):
     root, gen, aux, full = servers
     broken = tmp_path / "kimi-k2.5.params.yaml"
     text = EXAMPLE.read_text()
-    assert text.count("format: agent") == 1
-    broken.write_text(text.replace("format: agent", "format: sharegpt"))
+    a1 = "deepswekimi.jsonl.zst\n    format: agent"
+    assert text.count(a1) == 1
+    broken.write_text(text.replace(a1, a1.replace("agent", "sharegpt")))
     write_raw(tmp_path, EXAMPLE)
     shutil.copytree(root / "target", tmp_path / "target")  # inside the project, as its own
     (tmp_path / "smoke.yaml").write_text(overlay(gen.url, aux.url, full.url, broken))

