@@ -171,10 +171,7 @@ def fit_args(params, drafter: str, readers: list) -> dict:
     return {
         "readers": readers,
         "cfg": cfg,
-        "embed": embed,
-        "lm_head": lm_head,
-        "d2t": d2t,
-        "t2d": t2d,
+        "tensors": {"embed": embed, "lm_head": lm_head, "d2t": d2t, "t2d": t2d},
         "hp": hp | {"heldout_fraction": d["heldout_fraction"]},
     }
 

@@ -112,7 +112,7 @@ def main() -> None:
     print(f"# cpu pressure before: {pressure()}", flush=True)
 
     def accept(model) -> dict:
-        m = evaluate.offline(model, [held], refs, base["lm_head"], [args.steps])
+        m = evaluate.offline(model, [held], refs, base["tensors"]["lm_head"], [args.steps])
         return m[f"num_steps_{args.steps}"]
 
     rows = []

@@ -117,7 +117,8 @@ def one(setting: str, width: int, t: int, samples: int, steps: int, threads: int
     }  # fmt: skip
     with tempfile.TemporaryDirectory() as tmp:
         base, t0 = rss_mib(), time.perf_counter()
-        stats = train.fit([reader], cfg, embed, lm_head, d2t, t2d, hp, Path(tmp) / "out", 10**9,
+        tensors = {"embed": embed, "lm_head": lm_head, "d2t": d2t, "t2d": t2d}
+        stats = train.fit([reader], cfg, tensors, hp, Path(tmp) / "out", 10**9,
                           device="cpu", quiet=True)  # fmt: skip
         elapsed = time.perf_counter() - t0
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024

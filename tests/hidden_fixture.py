@@ -128,8 +128,8 @@ def fit_tiny(bundle: dict, out: Path, draft_vocab: int = 256, **hp) -> dict:
     )
     d2t, t2d = vocab.select(vocab.count_tokens([reader], cfg.vocab_size), draft_vocab)
     every = hp.pop("checkpoint_every", 1000)
-    args = (bundle["embed"], bundle["lm_head"], d2t, t2d, HP | hp, out, every)
-    return train.fit([reader], cfg, *args, quiet=True)
+    tensors = {"embed": bundle["embed"], "lm_head": bundle["lm_head"], "d2t": d2t, "t2d": t2d}
+    return train.fit([reader], cfg, tensors, HP | hp, out, every, quiet=True)
 
 
 def bundle(n: int = 20, prompt_len: int = 8, new_tokens: int = 16) -> dict:

@@ -211,6 +211,18 @@ def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="eaglet", description=__doc__.splitlines()[0])
     ap.add_argument("--version", action="version", version=f"eaglet {__version__}")
     sub = ap.add_subparsers(dest="command", required=True)
+    _stage_commands(sub)
+    _graph_commands(sub)
+    return ap
+
+
+def _run_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--threads", type=int, help="torch threads (Snakemake passes {threads})")
+    p.add_argument("--quiet", action="store_true", help="log lines instead of a live bar")
+
+
+def _stage_commands(sub: argparse._SubParsersAction) -> None:
+    """One command per stage of the pipeline, each building one artifact."""
 
     def stage(name: str, fn: Callable, help: str, what: str = "dataset") -> argparse.ArgumentParser:
         p = sub.add_parser(name, help=help)
@@ -223,9 +235,7 @@ def parser() -> argparse.ArgumentParser:
 
     stage("prompts", cmd_prompts, "read a raw dataset into prompt records")
     g = stage("generate", cmd_generate, "regenerate responses with the target")
-    g.add_argument("--threads", type=int, help="torch threads (Snakemake passes {threads})")
-    g.add_argument("--quiet", action="store_true", help="log lines instead of a live bar")
-
+    _run_flags(g)
     g.add_argument(
         "--dry-run", action="store_true", help="check the backend, say what a run would do"
     )
@@ -237,21 +247,19 @@ def parser() -> argparse.ArgumentParser:
     p.set_defaults(fn=cmd_import_responses)
 
     h = stage("hidden", cmd_hidden, "store the target's hidden states for the responses")
-    h.add_argument("--threads", type=int, help="torch threads (Snakemake passes {threads})")
-    h.add_argument("--quiet", action="store_true", help="log lines instead of a live bar")
+    _run_flags(h)
     h.add_argument("--verify", action="store_true", help="re-run the target, compare")
     h.add_argument("--samples", type=int, help="records --verify re-runs")
     stage("vocab", cmd_vocab, "pick the draft vocabulary from the assistant tokens", "drafter")
-    for name, fn, text in [
-        ("train", cmd_train, "train the EAGLE-3 drafter (torchrun for DDP)"),
-        ("evaluate", cmd_evaluate, "speculative decoding against the target: acceptance"),
-    ]:
-        g = stage(name, fn, text, "drafter")
-        g.add_argument("--threads", type=int, help="torch threads (Snakemake passes {threads})")
-        g.add_argument("--quiet", action="store_true", help="log lines instead of a live bar")
+    _run_flags(stage("train", cmd_train, "train the EAGLE-3 drafter (torchrun for DDP)", "drafter"))
+    text = "speculative decoding against the target: acceptance"
+    _run_flags(stage("evaluate", cmd_evaluate, text, "drafter"))
     g = stage("export", cmd_export, "write and validate an SGLang or vLLM draft folder", "drafter")
     g.add_argument("--to", choices=["sglang", "vllm"], required=True, help="serving engine")
 
+
+def _graph_commands(sub: argparse._SubParsersAction) -> None:
+    """Commands over the whole graph: plan it, see it, compare, publish, clean up."""
     p = sub.add_parser("plan", help="prompts, tokens, dollars and disk before anything runs")
     p.add_argument("--target-config", type=Path, help="the target's config.json, if not local")
     p.add_argument("--json", action="store_true", help="machine-readable output")
@@ -261,15 +269,24 @@ def parser() -> argparse.ArgumentParser:
     _add_common(p)
     p.set_defaults(fn=cmd_plan)
 
-    p = sub.add_parser("status", help="every artifact: current key, built or missing, stats")
-    p.add_argument("--json", action="store_true", help="machine-readable output")
-    _add_common(p)
-    p.set_defaults(fn=cmd_status)
-
-    p = sub.add_parser("keys", help="every artifact's current key and the inputs that make it")
-    p.add_argument("--json", action="store_true", help="full provenance as JSON")
-    _add_common(p)
-    p.set_defaults(fn=cmd_keys)
+    for name, fn, text, json_help in [
+        (
+            "status",
+            cmd_status,
+            "every artifact: current key, built or missing, stats",
+            "machine-readable output",
+        ),
+        (
+            "keys",
+            cmd_keys,
+            "every artifact's current key and the inputs that make it",
+            "full provenance as JSON",
+        ),
+    ]:
+        p = sub.add_parser(name, help=text)
+        p.add_argument("--json", action="store_true", help=json_help)
+        _add_common(p)
+        p.set_defaults(fn=fn)
 
     p = sub.add_parser("gc", help="remove non-current keyed artifacts (DVC's cache keeps them)")
     p.add_argument("--dry-run", action="store_true", help="only list what would go")
@@ -301,7 +318,6 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("name")
     _add_common(p)
     p.set_defaults(fn=cmd_path)
-    return ap
 
 
 def main(argv: list[str] | None = None) -> int:

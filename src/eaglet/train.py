@@ -18,7 +18,6 @@ rerun resumes there. Under `torchrun` it runs DDP (gloo on CPU, nccl on GPU).
 from __future__ import annotations
 
 import csv
-import functools
 import io
 import math
 import os
@@ -27,6 +26,7 @@ import shutil
 import sys
 import time
 from contextlib import nullcontext
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -278,24 +278,52 @@ def heldout(model: Drafter, readers, refs, hp: dict, head: TargetHead, run: Run)
     return {"loss": (ce / n).tolist(), "acc": (hits / n).tolist(), "positions": int(n[0])}
 
 
-def fit(
-    readers: list,
-    cfg: DrafterConfig,
-    embed: Tensor,
-    lm_head: Tensor,
-    d2t: Tensor,
-    t2d: Tensor,
-    hp: dict,
-    out: Path,
-    checkpoint_every: int = 100,
-    device: str = "auto",
-    quiet: bool = False,
-) -> dict:
-    """Train a drafter on `readers` with hyperparameters `hp` and write it to `out` (a folder:
-    model.safetensors, config.json, metrics.csv, heldout.csv). Resumes from `out`'s work folder."""
-    run = Run(hp["dtype"], device)
-    steps = hp["ttt_length"]
-    weights = torch.tensor([hp["step_weight"] ** k for k in range(steps)])
+@dataclass(eq=False)
+class Steps:
+    """Which samples each optimizer step trains on: a function of the seed, the epoch and the
+    process count only, so a resumed run sees the same order."""
+
+    train: list
+    held: list
+    per_step: int  # samples in one global batch (batch_size x grad_accum x processes)
+    total: int
+    seed: int
+    run: Run
+    _order: dict[int, list] = field(default_factory=dict)  # the current epoch's
+
+    @property
+    def per_epoch(self) -> int:
+        return len(self.train) // self.per_step
+
+    def order(self, epoch: int) -> list:
+        if epoch not in self._order:
+            order = list(self.train)
+            random.Random(self.seed * 100_003 + epoch).shuffle(order)
+            self._order = {epoch: order}
+        return self._order[epoch]
+
+    def mine(self, step: int) -> list:
+        """This process's share of the step's global batch."""
+        epoch, index = divmod(step, self.per_epoch)
+        refs = self.order(epoch)[index * self.per_step : (index + 1) * self.per_step]
+        rank, world = self.run.rank, self.run.world
+        return refs[rank * len(refs) // world : (rank + 1) * len(refs) // world]
+
+    def epoch_end(self, step: int) -> bool:
+        return (step + 1) % self.per_epoch == 0
+
+    def reads(self, start: int):
+        """The samples this process reads, in order (an online reader fetches them ahead)."""
+        for step in range(start, self.total):
+            yield from self.mine(step)
+            if self.epoch_end(step) and self.run.rank == 0:
+                yield from self.held
+        if self.run.rank == 0:
+            yield from self.held
+
+
+def plan_steps(readers: list, hp: dict, run: Run) -> tuple[Steps, dict]:
+    """The run's steps over the train/held-out split, and what overlong samples cost."""
     train_refs, held_refs = drafter_data.split(readers, hp["heldout_fraction"])
     train_refs, long_train = overlong(readers, train_refs, hp)
     held_refs, long_held = overlong(readers, held_refs, hp)
@@ -311,164 +339,193 @@ def fit(
         raise EagletError(
             f"{len(train_refs)} training samples, fewer than one global batch ({per_step})"
         )
-    per_epoch = len(train_refs) // per_step
-    total = per_epoch * hp["epochs"]
+    total = len(train_refs) // per_step * hp["epochs"]
     if hp.get("max_steps"):
         total = min(total, hp["max_steps"])
-    warmup = max(1, math.ceil(hp["warmup_ratio"] * total))
+    steps = Steps(train_refs, held_refs, per_step, total, hp["seed"], run)
+    return steps, {"train": long_train, "heldout": long_held}
 
+
+@dataclass
+class Trainer:
+    """The drafter, its frozen target head, the optimizer and schedule, and the logs so far."""
+
+    model: Drafter
+    ddp: torch.nn.Module  # the model, or its DDP wrapper
+    head: TargetHead
+    opt: torch.optim.Optimizer
+    sched: torch.optim.lr_scheduler.LambdaLR
+    rows: list[dict] = field(default_factory=list)
+    held_rows: list[dict] = field(default_factory=list)
+
+    @property
+    def trainable(self) -> list[Tensor]:
+        return [p for p in self.model.parameters() if p.requires_grad]
+
+
+def make_trainer(
+    cfg: DrafterConfig, tensors: dict[str, Tensor], hp: dict, total: int, run: Run
+) -> Trainer:
+    """A seeded drafter with the target's embeddings and the draft vocab maps, AdamW, linear
+    warmup then cosine decay."""
     torch.manual_seed(hp["seed"])
     model = Drafter(cfg)
-    model.embed_tokens.weight.copy_(embed)
-    model.d2t.copy_(d2t)
-    model.t2d.copy_(t2d)
+    model.embed_tokens.weight.copy_(tensors["embed"])
+    model.d2t.copy_(tensors["d2t"])
+    model.t2d.copy_(tensors["t2d"])
     model.to(run.device)
-    head = TargetHead(lm_head, t2d, getattr(torch, run.dtype)).to(run.device)
+    head = TargetHead(tensors["lm_head"], tensors["t2d"], getattr(torch, run.dtype))
     trainable = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(
         trainable, lr=hp["lr"], betas=(0.9, 0.95), weight_decay=hp["weight_decay"]
     )
+    warmup = max(1, math.ceil(hp["warmup_ratio"] * total))
     sched = torch.optim.lr_scheduler.LambdaLR(
         opt, lambda s: lr_factor(s, warmup, total, hp["min_lr_ratio"])
     )
     # gradients as views into the all-reduce buckets: no second copy of them
     ddp = DDP(model, gradient_as_bucket_view=True) if run.world > 1 else model
+    return Trainer(model, ddp, head.to(run.device), opt, sched)
 
+
+def resume(ckpt: Path, t: Trainer, hp: dict, run: Run) -> int:
+    """Restore `t` and the RNGs from the checkpoint if there is one: the step to start at."""
+    if not ckpt.exists():
+        return 0
+    state = torch.load(ckpt, map_location=run.device, weights_only=False)
+    if state["hp"] != hp or state["world"] != run.world:
+        raise EagletError(f"{ckpt}: checkpoint of a different run (params or processes)")
+    t.model.load_state_dict(state["model"])
+    t.opt.load_state_dict(state["optimizer"])
+    t.sched.load_state_dict(state["scheduler"])
+    torch.set_rng_state(state["rng"]["torch"])
+    random.setstate(state["rng"]["python"])
+    t.rows, t.held_rows = state["rows"], state["heldout"]
+    return state["step"]
+
+
+def save_checkpoint(ckpt: Path, t: Trainer, step: int, steps: Steps, hp: dict) -> None:
+    """Everything a rerun needs to continue at `step` (rank 0 writes it, atomically)."""
+    if steps.run.rank != 0:
+        return
+    state = {
+        "hp": hp,
+        "world": steps.run.world,
+        "step": step,
+        "data_position": {"epoch": step // steps.per_epoch, "batch": step % steps.per_epoch},
+        "model": t.model.state_dict(),
+        "optimizer": t.opt.state_dict(),
+        "scheduler": t.sched.state_dict(),
+        "rng": {"torch": torch.get_rng_state(), "python": random.getstate()},
+        "rows": t.rows,
+        "heldout": t.held_rows,
+    }
+    with atomic_path(ckpt) as tmp:
+        torch.save(state, tmp)
+
+
+def train_step(t: Trainer, readers: list, refs: list, hp: dict, run: Run) -> tuple[dict, int]:
+    """One optimizer step over this process's `refs` (micro-batches accumulated, gradients
+    all-reduced once): its log row (without step and epoch) and the tokens trained."""
+    steps, bs = hp["ttt_length"], hp["batch_size"]
+    weights = torch.tensor([hp["step_weight"] ** k for k in range(steps)])
+    micro = [
+        prepare(
+            drafter_data.load(readers, refs[i : i + bs], hp["max_length"]),
+            t.head,
+            steps,
+            run.device,
+            refs[i : i + bs],
+        )
+        for i in range(0, len(refs), bs)
+    ]
+    counts = torch.stack([torch.stack([m.sum() for m in b["masks"]]) for b in micro]).sum(0)
+    counts = run.sum(counts.float()).clamp(min=1)
+    ce_sum, hit_sum, tokens = torch.zeros(steps), torch.zeros(steps), 0
+    t.model.train()
+    for j, b in enumerate(micro):
+        sync = j == len(micro) - 1 or run.world == 1
+        with nullcontext() if sync else t.ddp.no_sync():  # all-reduce grads once per step
+            ce, hits = ttt_batch(t.ddp, b, steps, t.head, run)
+            # DDP averages gradients over processes; counts are global, so scale back
+            loss = (weights.to(ce.device) * ce / counts.to(ce.device)).sum() * run.world
+            loss.backward()
+        ce_sum, hit_sum = ce_sum + ce.detach().cpu(), hit_sum + hits.cpu()
+        tokens += int(b["loss_mask"].sum())
+    grad_norm = torch.nn.utils.clip_grad_norm_(t.trainable, hp["max_grad_norm"])
+    lr = t.sched.get_last_lr()[0]
+    t.opt.step()
+    t.sched.step()
+    t.opt.zero_grad(set_to_none=True)
+    ce_sum, hit_sum = run.sum(ce_sum), run.sum(hit_sum)
+    step_loss, acc = ce_sum / counts.cpu(), hit_sum / counts.cpu()
+    row = {"lr": lr, "loss": float((weights * step_loss).sum()), "grad_norm": float(grad_norm)}
+    row.update({f"loss_{k}": float(step_loss[k]) for k in range(steps)})
+    row.update({f"acc_{k}": float(acc[k]) for k in range(steps)})
+    return row, int(run.sum(torch.tensor(tokens)))
+
+
+def fit(
+    readers: list,
+    cfg: DrafterConfig,
+    tensors: dict[str, Tensor],
+    hp: dict,
+    out: Path,
+    checkpoint_every: int = 100,
+    device: str = "auto",
+    quiet: bool = False,
+) -> dict:
+    """Train a drafter on `readers` with hyperparameters `hp` and write it to `out` (a folder:
+    model.safetensors, config.json, metrics.csv, heldout.csv). `tensors` holds the target's
+    embed and lm_head and the vocab maps d2t, t2d. Resumes from `out`'s work folder."""
+    run = Run(hp["dtype"], device)
+    steps, long = plan_steps(readers, hp, run)
+    t = make_trainer(cfg, tensors, hp, steps.total, run)
     work = out.parent / f".{out.name}.work"
     ckpt = work / "checkpoint.pt"
-    rows: list[dict] = []
-    held_rows: list[dict] = []
-    start = 0
-    if ckpt.exists():
-        state = torch.load(ckpt, map_location=run.device, weights_only=False)
-        if state["hp"] != hp or state["world"] != run.world:
-            raise EagletError(f"{ckpt}: checkpoint of a different run (params or processes)")
-        model.load_state_dict(state["model"])
-        opt.load_state_dict(state["optimizer"])
-        sched.load_state_dict(state["scheduler"])
-        torch.set_rng_state(state["rng"]["torch"])
-        random.setstate(state["rng"]["python"])
-        start, rows, held_rows = state["step"], state["rows"], state["heldout"]
+    start = resume(ckpt, t, hp, run)
 
-    def save_checkpoint(step: int) -> None:
-        if run.rank != 0:
-            return
-        state = {
-            "hp": hp,
-            "world": run.world,
-            "step": step,
-            "data_position": {"epoch": step // per_epoch, "batch": step % per_epoch},
-            "model": model.state_dict(),
-            "optimizer": opt.state_dict(),
-            "scheduler": sched.state_dict(),
-            "rng": {"torch": torch.get_rng_state(), "python": random.getstate()},
-            "rows": rows,
-            "heldout": held_rows,
-        }
-        with atomic_path(ckpt) as tmp:
-            torch.save(state, tmp)
-
-    @functools.lru_cache(maxsize=2)
-    def epoch_order(epoch: int) -> list:
-        """The epoch's sample order: a function of seed and epoch only, so a resume sees it."""
-        order = list(train_refs)
-        random.Random(hp["seed"] * 100_003 + epoch).shuffle(order)
-        return order
-
-    def my_refs(step: int) -> list:
-        """This process's share of the step's global batch."""
-        epoch, index = divmod(step, per_epoch)
-        refs = epoch_order(epoch)[index * per_step : (index + 1) * per_step]
-        return refs[run.rank * len(refs) // run.world : (run.rank + 1) * len(refs) // run.world]
-
-    def reads():
-        """The samples this process reads, in order (an online reader fetches them ahead)."""
-        for step in range(start, total):
-            yield from my_refs(step)
-            if (step + 1) % per_epoch == 0 and run.rank == 0:
-                yield from held_refs
-        if run.rank == 0:
-            yield from held_refs
-
-    drafter_data.expect(readers, reads())
-    progress = Progress("train", total, quiet=quiet or run.rank != 0, unit="step")
+    drafter_data.expect(readers, steps.reads(start))
+    progress = Progress("train", steps.total, quiet=quiet or run.rank != 0, unit="step")
     progress.done = start
     t0 = time.monotonic()
-    for step in range(start, total):
-        epoch = step // per_epoch
-        mine = my_refs(step)
-        bs = hp["batch_size"]
-        micro = [
-            prepare(
-                drafter_data.load(readers, mine[i : i + bs], hp["max_length"]),
-                head,
-                steps,
-                run.device,
-                mine[i : i + bs],
-            )
-            for i in range(0, len(mine), bs)
-        ]
-        counts = torch.stack([torch.stack([m.sum() for m in b["masks"]]) for b in micro]).sum(0)
-        counts = run.sum(counts.float()).clamp(min=1)
-        ce_sum, hit_sum, tokens = torch.zeros(steps), torch.zeros(steps), 0
-        model.train()
-        for j, b in enumerate(micro):
-            sync = j == len(micro) - 1 or run.world == 1
-            with nullcontext() if sync else ddp.no_sync():  # all-reduce grads once per step
-                ce, hits = ttt_batch(ddp, b, steps, head, run)
-                # DDP averages gradients over processes; counts are global, so scale back
-                loss = (weights.to(ce.device) * ce / counts.to(ce.device)).sum() * run.world
-                loss.backward()
-            ce_sum, hit_sum = ce_sum + ce.detach().cpu(), hit_sum + hits.cpu()
-            tokens += int(b["loss_mask"].sum())
-        grad_norm = torch.nn.utils.clip_grad_norm_(trainable, hp["max_grad_norm"])
-        lr = sched.get_last_lr()[0]
-        opt.step()
-        sched.step()
-        opt.zero_grad(set_to_none=True)
-        ce_sum, hit_sum = run.sum(ce_sum), run.sum(hit_sum)
-        step_loss, acc = ce_sum / counts.cpu(), hit_sum / counts.cpu()
-        row = {
-            "step": step + 1,
-            "epoch": epoch,
-            "lr": lr,
-            "loss": float((weights * step_loss).sum()),
-            "grad_norm": float(grad_norm),
-        }
-        row.update({f"loss_{k}": float(step_loss[k]) for k in range(steps)})
-        row.update({f"acc_{k}": float(acc[k]) for k in range(steps)})
-        rows.append(row)
-        progress.update(1, tokens=int(run.sum(torch.tensor(tokens))))
-        if (step + 1) % per_epoch == 0 and held_refs and run.rank == 0:
-            h = heldout(model, readers, held_refs, hp, head, run)
-            held_rows.append(
+    for step in range(start, steps.total):
+        epoch = step // steps.per_epoch
+        row, tokens = train_step(t, readers, steps.mine(step), hp, run)
+        t.rows.append({"step": step + 1, "epoch": epoch} | row)
+        progress.update(1, tokens=tokens)
+        if steps.epoch_end(step) and steps.held and run.rank == 0:
+            h = heldout(t.model, readers, steps.held, hp, t.head, run)
+            t.held_rows.append(
                 {"step": step + 1, "epoch": epoch}
                 | {f"loss_{k}": v for k, v in enumerate(h["loss"])}
                 | {f"acc_{k}": v for k, v in enumerate(h["acc"])}
             )
-        if (step + 1) % checkpoint_every == 0 and step + 1 < total:
-            save_checkpoint(step + 1)
+        if (step + 1) % checkpoint_every == 0 and step + 1 < steps.total:
+            save_checkpoint(ckpt, t, step + 1, steps, hp)
     progress.close()
     elapsed = time.monotonic() - t0
+
     final = None
-    if held_refs and run.rank == 0:
-        final = heldout(model, readers, held_refs, hp, head, run)
+    if steps.held and run.rank == 0:
+        final = heldout(t.model, readers, steps.held, hp, t.head, run)
+    last = t.rows[-1] if t.rows else None
     stats = {
-        "steps": total,
+        "steps": steps.total,
         "resumed_from": start,
         "processes": run.world,
         "dtype": run.dtype,
-        "train_samples": len(train_refs),
-        "heldout_samples": len(held_refs),
-        "overlong": {"train": long_train, "heldout": long_held},
-        "final_loss": rows[-1]["loss"] if rows else None,
-        "final_acc": [rows[-1][f"acc_{k}"] for k in range(steps)] if rows else None,
+        "train_samples": len(steps.train),
+        "heldout_samples": len(steps.held),
+        "overlong": long,
+        "final_loss": last["loss"] if last else None,
+        "final_acc": [last[f"acc_{k}"] for k in range(hp["ttt_length"])] if last else None,
         "heldout": final,
         "elapsed_s": round(elapsed, 3),
         "tokens_per_s": round(progress.tokens / elapsed, 1) if elapsed > 0 else None,
     }
     if run.rank == 0:
-        save(model, out, rows, held_rows)
+        save(t.model, out, t.rows, t.held_rows)
         shutil.rmtree(work, ignore_errors=True)
     run.close()
     return stats
@@ -550,13 +607,11 @@ def build(
             readers, params.drafter(drafter)["datasets"], lm_head, t2d, hp["max_length"]
         )
         supervised.check(share, settings["min_supervised_share"], drafter)
+        tensors = {"embed": embed, "lm_head": lm_head, "d2t": d2t, "t2d": t2d}
         stats = fit(
             readers,
             cfg,
-            embed,
-            lm_head,
-            d2t,
-            t2d,
+            tensors,
             hp,
             out,
             settings["checkpoint_every"],
