@@ -1,4 +1,5 @@
-"""Hidden-state samples for tests, shaped exactly as eaglet.hidden_store.HiddenReader yields them.
+"""Hidden-state samples for tests, shaped exactly as eaglet.formats.hidden_store.HiddenReader
+yields them.
 
 They come from a real target run with output_hidden_states=True: HF tuple index k is the output
 of decoder layer k-1, so SGLang id i is index i+1, and the last entry is after the final norm.
@@ -118,9 +119,9 @@ HP = {
 
 
 def fit_tiny(bundle: dict, out: Path, draft_vocab: int = 256, **hp) -> dict:
-    """Train a drafter on a tiny-target bundle with eaglet.train.fit; return its stats."""
-    from eaglet import train, vocab
-    from eaglet.drafter import DrafterConfig
+    """Train a drafter on a tiny-target bundle with eaglet.stages.train.fit; return its stats."""
+    from eaglet.model.drafter import DrafterConfig
+    from eaglet.stages import train, vocab
 
     reader = MemoryReader(bundle["samples"], bundle["config"])
     cfg = DrafterConfig.from_target(
