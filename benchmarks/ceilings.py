@@ -38,16 +38,22 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from hidden_states import bare, pressure, project, stage  # noqa: E402
 
-from eaglet import drafter_data, generate, prompts, train, vocab  # noqa: E402
-from eaglet.chat import prompt_ids  # noqa: E402
-from eaglet.drafter import Drafter, DrafterConfig  # noqa: E402
 from eaglet.engines.vllm import Engine, serve_config  # noqa: E402
 from eaglet.errors import EagletError  # noqa: E402
-from eaglet.hidden_store import HiddenReader  # noqa: E402
-from eaglet.io import read_json, read_jsonl  # noqa: E402
-from eaglet.keys import Keys, sidecar_of  # noqa: E402
+from eaglet.formats.chat import prompt_ids  # noqa: E402
+from eaglet.formats.hidden_store import HiddenReader  # noqa: E402
+from eaglet.formats.io import read_json, read_jsonl  # noqa: E402
+from eaglet.graph.keys import Keys, sidecar_of  # noqa: E402
+from eaglet.model.drafter import Drafter, DrafterConfig  # noqa: E402
+from eaglet.model.target import load_config, load_head, load_model, load_tokenizer, spec_of  # noqa: E402
 from eaglet.params import load  # noqa: E402
-from eaglet.target import load_config, load_head, load_model, load_tokenizer, spec_of  # noqa: E402
+from eaglet.stages import (  # noqa: E402
+    drafter_data,
+    generate,
+    prompts,
+    train,
+    vocab,
+)
 
 
 def best(fn, runs: int) -> float:
@@ -171,10 +177,7 @@ def fit_args(params, drafter: str, readers: list) -> dict:
     return {
         "readers": readers,
         "cfg": cfg,
-        "embed": embed,
-        "lm_head": lm_head,
-        "d2t": d2t,
-        "t2d": t2d,
+        "tensors": {"embed": embed, "lm_head": lm_head, "d2t": d2t, "t2d": t2d},
         "hp": hp | {"heldout_fraction": d["heldout_fraction"]},
     }
 

@@ -8,7 +8,7 @@ On a built demo (`make demo`), in one run:
      picked from what it trains on) on a seeded share of its training samples, for each --runs
      entry `SHARE` or `SHARE:EPOCHS`; the split's held-out samples stay in every share;
   2. each drafter's offline acceptance on those held-out hidden states
-     (eaglet.evaluate.offline: the teacher-forced chain from every answer position), next to
+     (eaglet.stages.evaluate.offline: the teacher-forced chain from every answer position), next to
      the demo's own drafter measured the same way and the engine's number from its evaluation.
 Then a fit of acceptance length against log(answer tokens) over the runs at the demo's epochs,
 and the tokens it puts at acceptance length 2.0 (an extrapolation: read it as an order of
@@ -38,11 +38,18 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 from ceilings import fit_args  # noqa: E402
 from hidden_states import pressure  # noqa: E402
 
-from eaglet import drafter_data, evaluate, generate, hidden, prompts, train  # noqa: E402
-from eaglet.hidden_store import HiddenReader  # noqa: E402
-from eaglet.io import read_json  # noqa: E402
-from eaglet.keys import Keys  # noqa: E402
+from eaglet.formats.hidden_store import HiddenReader  # noqa: E402
+from eaglet.formats.io import read_json  # noqa: E402
+from eaglet.graph.keys import Keys  # noqa: E402
 from eaglet.params import load  # noqa: E402
+from eaglet.stages import (  # noqa: E402
+    drafter_data,
+    evaluate,
+    generate,
+    hidden,
+    prompts,
+    train,
+)
 
 
 class Share:
@@ -112,7 +119,7 @@ def main() -> None:
     print(f"# cpu pressure before: {pressure()}", flush=True)
 
     def accept(model) -> dict:
-        m = evaluate.offline(model, [held], refs, base["lm_head"], [args.steps])
+        m = evaluate.offline(model, [held], refs, base["tensors"]["lm_head"], [args.steps])
         return m[f"num_steps_{args.steps}"]
 
     rows = []

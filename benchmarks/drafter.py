@@ -27,12 +27,18 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 
-from eaglet import drafter_data, evaluate, speculative, train, vocab  # noqa: E402
-from eaglet.chat import stop_ids  # noqa: E402
-from eaglet.drafter import DrafterConfig  # noqa: E402
-from eaglet.keys import Keys  # noqa: E402
+from eaglet.formats.chat import stop_ids  # noqa: E402
+from eaglet.graph.keys import Keys  # noqa: E402
+from eaglet.model import speculative  # noqa: E402
+from eaglet.model.drafter import DrafterConfig  # noqa: E402
+from eaglet.model.target import load_config, load_head, load_model, load_tokenizer, spec_of  # noqa: E402
 from eaglet.params import load  # noqa: E402
-from eaglet.target import load_config, load_head, load_model, load_tokenizer, spec_of  # noqa: E402
+from eaglet.stages import (  # noqa: E402
+    drafter_data,
+    evaluate,
+    train,
+    vocab,
+)
 
 
 def pressure() -> str:

@@ -87,9 +87,9 @@ def timed(fn, *args) -> tuple[float, float, object]:
 
 def run_eaglet(proj: Path) -> float:
     """The whole `generate` stage, in this process; returns its dispatch seconds."""
-    from eaglet import generate
-    from eaglet.keys import sidecar_of
+    from eaglet.graph.keys import sidecar_of
     from eaglet.params import load
+    from eaglet.stages import generate
 
     out = generate.build(load(proj / "params.yaml"), "d", quiet=True)
     return json.loads(sidecar_of(out).read_text())["stats"]["elapsed_s"]

@@ -25,7 +25,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 
 from eaglet.engines.lookup import generator  # noqa: E402
-from eaglet.io import read_jsonl  # noqa: E402
+from eaglet.formats.io import read_jsonl  # noqa: E402
 from eaglet.params import from_dict  # noqa: E402
 
 

@@ -30,8 +30,8 @@ import yaml
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 
-from eaglet.io import read_json  # noqa: E402
-from eaglet.keys import Keys  # noqa: E402
+from eaglet.formats.io import read_json  # noqa: E402
+from eaglet.graph.keys import Keys  # noqa: E402
 from eaglet.params import load  # noqa: E402
 
 DATASETS = ("sg", "dolly")

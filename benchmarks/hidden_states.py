@@ -31,13 +31,13 @@ import yaml
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 
-from eaglet import hidden, prompts  # noqa: E402
-from eaglet.hidden_store import HiddenReader  # noqa: E402
-from eaglet.io import read_json, read_jsonl, write_jsonl_zst  # noqa: E402
-from eaglet.keys import Keys, sidecar_of  # noqa: E402
+from eaglet.formats.hidden_store import HiddenReader  # noqa: E402
+from eaglet.formats.io import read_json, read_jsonl, write_jsonl_zst  # noqa: E402
+from eaglet.formats.records import response_record  # noqa: E402
+from eaglet.graph.keys import Keys, sidecar_of  # noqa: E402
+from eaglet.model.target import SMOLLM2, load_model, load_tokenizer, resolve  # noqa: E402
 from eaglet.params import load  # noqa: E402
-from eaglet.records import response_record  # noqa: E402
-from eaglet.target import SMOLLM2, load_model, load_tokenizer, resolve  # noqa: E402
+from eaglet.stages import hidden, prompts  # noqa: E402
 
 MODES = {
     "bf16": {},

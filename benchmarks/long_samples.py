@@ -55,8 +55,8 @@ def one(variant: str, t: int, ttt: int, threads: int) -> dict:
     import torch
     import torch.nn.functional as F
 
-    from eaglet import drafter
-    from eaglet.drafter import Drafter, DrafterConfig
+    from eaglet.model import drafter
+    from eaglet.model.drafter import Drafter, DrafterConfig
 
     torch.set_num_threads(threads)
     if variant == "full":

@@ -21,7 +21,7 @@ On a built demo (`make demo`), in one run:
   4. stock vLLM serving the target with each drafter (eaglet's vLLM export, speculators' last
      epoch folder) on the demo's natural held-out prompts (its evaluate settings: 16 prompts,
      96 new tokens, 3 steps, greedy): acceptance length from vLLM's /metrics counters, as the
-     demo's evaluate stage reads it (eaglet.engine_eval), and each output against the plain
+     demo's evaluate stage reads it (eaglet.stages.engine_eval), and each output against the plain
      greedy text of the same engine.
 
     .venv/bin/python benchmarks/peer_speculators.py [--params params.yaml] [--drafter demo]
@@ -50,11 +50,17 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from ceilings import fit_args  # noqa: E402
 
-from eaglet import drafter_data, engine_eval, export, suites, train  # noqa: E402
 from eaglet.engines import vllm  # noqa: E402
+from eaglet.model.speculative import against_greedy  # noqa: E402
+from eaglet.model.target import load_config, load_tensor, load_tokenizer, materialize, spec_of  # noqa: E402
 from eaglet.params import load  # noqa: E402
-from eaglet.speculative import against_greedy  # noqa: E402
-from eaglet.target import load_config, load_tensor, load_tokenizer, materialize, spec_of  # noqa: E402
+from eaglet.stages import (  # noqa: E402
+    drafter_data,
+    engine_eval,
+    export,
+    suites,
+    train,
+)
 
 VENV = ROOT / ".venv-speculators"
 SHIM = ROOT / "benchmarks" / "peer_speculators_shim.py"
@@ -109,7 +115,7 @@ def check_prenorm(spec, readers: list, refs: list, norm_w, eps: float, n: int = 
     """How far the exported pre-norm state is from the target's own, on n samples: the target's
     last decoder-layer output (fp32 forward here) normed, against eaglet's stored state, and
     against the norm of the exported state; both as max relative L2 error per token."""
-    from eaglet.target import load_model
+    from eaglet.model.target import load_model
 
     model = load_model(spec, "cpu", "float32")
     got: dict = {}

@@ -1,13 +1,13 @@
 """Claims: (1) the training step's peak memory is fixed + per-token x T; (2) at Kimi-K2.5's
 draft vocab and TTT depth (32,000, 7) the per-token part stays within 1.5x of the demo's
-(4,096, 3) at the same width; (3) eaglet.train_memory's per-token derivation against the
+(4,096, 3) at the same width; (3) eaglet.model.train_memory's per-token derivation against the
 measurement; (4) the demo's step time, this tree against another.
 
 Every point runs `train.fit` (what `eaglet train` runs) for one optimizer step (batch 1, fp32)
 on one random sample of T tokens, in a fresh process: drafter, frozen embeddings and target
 head, AdamW. Peak = the rise of the process's peak RSS (ru_maxrss) over its RSS before fit.
 Per setting, least squares over T gives fixed + per_token x T, printed next to
-eaglet.train_memory's derived per-token figure (fp32, the collated batch in the same memory).
+eaglet.model.train_memory's derived per-token figure (fp32, the collated batch in the same memory).
 Then the Kimi-K2.5 projection (arithmetic only). Widths other than 576 (the demo's own shape)
 are Kimi's drafter scaled down: MHA, heads of 128, MLP 18432/7168 x H.
 
@@ -52,7 +52,7 @@ def arch(width: int) -> dict:
 
 
 class RandomReader:
-    """The reader contract (eaglet.hidden_store.HiddenReader) over random samples."""
+    """The reader contract (eaglet.formats.hidden_store.HiddenReader) over random samples."""
 
     def __init__(self, n: int, tokens: int, width: int, vocab: int, seed: int = 0):
         import torch
@@ -90,8 +90,8 @@ def one(setting: str, width: int, t: int, samples: int, steps: int, threads: int
     """Train `steps` optimizer steps in this process; its peak memory rise and time."""
     import torch
 
-    from eaglet import train
-    from eaglet.drafter import DrafterConfig
+    from eaglet.model.drafter import DrafterConfig
+    from eaglet.stages import train
 
     torch.set_num_threads(threads)
     vd, v, ttt = SETTINGS[setting]
@@ -117,7 +117,8 @@ def one(setting: str, width: int, t: int, samples: int, steps: int, threads: int
     }  # fmt: skip
     with tempfile.TemporaryDirectory() as tmp:
         base, t0 = rss_mib(), time.perf_counter()
-        stats = train.fit([reader], cfg, embed, lm_head, d2t, t2d, hp, Path(tmp) / "out", 10**9,
+        tensors = {"embed": embed, "lm_head": lm_head, "d2t": d2t, "t2d": t2d}
+        stats = train.fit([reader], cfg, tensors, hp, Path(tmp) / "out", 10**9,
                           device="cpu", quiet=True)  # fmt: skip
         elapsed = time.perf_counter() - t0
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
@@ -161,8 +162,8 @@ def measure(args) -> dict:
 
 
 def table(points: dict) -> None:
-    """Fit each setting's points; print them against eaglet.train_memory's derivation."""
-    from eaglet import train_memory
+    """Fit each setting's points; print them against eaglet.model.train_memory's derivation."""
+    from eaglet.model import train_memory
 
     fits = {}
     for name, by_t in points.items():
@@ -187,8 +188,8 @@ def table(points: dict) -> None:
 
 
 def projection() -> None:
-    """eaglet.train_memory's Kimi-K2.5 drafter per GPU (bf16 autocast, batch 1), itemised."""
-    from eaglet import train_memory
+    """eaglet.model.train_memory's Kimi-K2.5 drafter per GPU (bf16 autocast, batch 1), itemised."""
+    from eaglet.model import train_memory
 
     kimi = train_memory.Shape(7168, 7168, 18432, 64, 64, 128, 32000, 163840, 7)
     lengths = (8192, 16384, 32768)

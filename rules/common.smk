@@ -7,7 +7,7 @@ from snakemake.utils import min_version
 
 from eaglet.device import resolve_device
 from eaglet.errors import EagletError
-from eaglet.keys import STAGES, Keys
+from eaglet.graph.keys import STAGES, Keys
 from eaglet.params import load
 
 min_version("9.0")

@@ -1,4 +1,5 @@
-"""Hidden-state samples for tests, shaped exactly as eaglet.hidden_store.HiddenReader yields them.
+"""Hidden-state samples for tests, shaped exactly as eaglet.formats.hidden_store.HiddenReader
+yields them.
 
 They come from a real target run with output_hidden_states=True: HF tuple index k is the output
 of decoder layer k-1, so SGLang id i is index i+1, and the last entry is after the final norm.
@@ -118,9 +119,9 @@ HP = {
 
 
 def fit_tiny(bundle: dict, out: Path, draft_vocab: int = 256, **hp) -> dict:
-    """Train a drafter on a tiny-target bundle with eaglet.train.fit; return its stats."""
-    from eaglet import train, vocab
-    from eaglet.drafter import DrafterConfig
+    """Train a drafter on a tiny-target bundle with eaglet.stages.train.fit; return its stats."""
+    from eaglet.model.drafter import DrafterConfig
+    from eaglet.stages import train, vocab
 
     reader = MemoryReader(bundle["samples"], bundle["config"])
     cfg = DrafterConfig.from_target(
@@ -128,8 +129,8 @@ def fit_tiny(bundle: dict, out: Path, draft_vocab: int = 256, **hp) -> dict:
     )
     d2t, t2d = vocab.select(vocab.count_tokens([reader], cfg.vocab_size), draft_vocab)
     every = hp.pop("checkpoint_every", 1000)
-    args = (bundle["embed"], bundle["lm_head"], d2t, t2d, HP | hp, out, every)
-    return train.fit([reader], cfg, *args, quiet=True)
+    tensors = {"embed": bundle["embed"], "lm_head": bundle["lm_head"], "d2t": d2t, "t2d": t2d}
+    return train.fit([reader], cfg, tensors, HP | hp, out, every, quiet=True)
 
 
 def bundle(n: int = 20, prompt_len: int = 8, new_tokens: int = 16) -> dict:

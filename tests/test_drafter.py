@@ -6,10 +6,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from eaglet import drafter as drafter_module
-from eaglet import train, vocab
-from eaglet.drafter import Drafter, DrafterConfig, KVCache
 from eaglet.errors import EagletError
+from eaglet.model import drafter as drafter_module
+from eaglet.model import target_head
+from eaglet.model.drafter import Drafter, DrafterConfig, KVCache
+from eaglet.stages import train, vocab
 
 
 def tiny_config(**kw) -> DrafterConfig:
@@ -122,7 +123,7 @@ def test_two_ttt_steps_against_a_hand_computed_loss(monkeypatch, chunked):
     """The loss of ttt_length=2 on a tiny config, recomputed position by position; also with
     the loss in chunks of one position and every TTT step recomputed in backward."""
     if chunked:
-        monkeypatch.setattr(train, "LOGITS", 1)
+        monkeypatch.setattr(target_head, "LOGITS", 1)
         monkeypatch.setattr(drafter_module, "RECOMPUTE", 0)
     torch.manual_seed(2)
     cfg = tiny_config()
@@ -138,8 +139,8 @@ def test_two_ttt_steps_against_a_hand_computed_loss(monkeypatch, chunked):
     loss_mask = torch.tensor([[False, True, True, True, True, True]])
 
     # the library: target distribution, masks, per-step sums, weighted normalized loss
-    head = train.TargetHead(lm_head, model.t2d)
-    in_vocab = head(last, train.shift(loss_mask, 1), [(0, "s")])
+    head = target_head.TargetHead(lm_head, model.t2d)
+    in_vocab = head(last, target_head.shift(loss_mask, 1), [(0, "s")])
     masks = train.step_masks(loss_mask, in_vocab, 2)
     ce, _ = train.ttt_sums(model, model(aux, ids, 2, masks, head=False), last, masks, head)
     counts = torch.stack([m.sum() for m in masks]).float()
@@ -226,11 +227,11 @@ def _attend_full(q, k, v, past, diagonal):
 def test_argmax_in_draft_vocab_is_kept_per_sample_across_batches(monkeypatch):
     """The in-vocab check computed once per sample (in chunks of 2 rows) equals the full-vocab
     argmax, whatever batch (and padded width) the sample comes back in."""
-    monkeypatch.setattr(train, "LOGITS", 80)
+    monkeypatch.setattr(target_head, "LOGITS", 80)
     torch.manual_seed(3)
     lm_head, t2d = torch.randn(40, 8), torch.zeros(40, dtype=torch.bool)
     t2d[::3] = True
-    head = train.TargetHead(lm_head, t2d)
+    head = target_head.TargetHead(lm_head, t2d)
     last = torch.randn(3, 7, 8)
     need = torch.ones(3, 7, dtype=torch.bool)
     need[1, 4:] = False  # a shorter sample
@@ -267,9 +268,9 @@ def test_chunked_step_has_the_gradients_of_the_unchunked_step(monkeypatch):
     lm_head[t2d] *= 1.5
     loss_mask = torch.rand(2, 13) > 0.3
     loss_mask[1, 10:] = False  # padding
-    head, steps, w = train.TargetHead(lm_head, t2d), 3, torch.tensor([1.0, 0.8, 0.64])
+    head, steps, w = target_head.TargetHead(lm_head, t2d), 3, torch.tensor([1.0, 0.8, 0.64])
     masks = train.step_masks(
-        loss_mask, head(last, train.shift(loss_mask, 1), [(0, "a"), (0, "b")]), steps
+        loss_mask, head(last, target_head.shift(loss_mask, 1), [(0, "a"), (0, "b")]), steps
     )
     counts = torch.stack([m.sum() for m in masks]).float()
     params = [p for p in model.parameters() if p.requires_grad]
@@ -285,7 +286,7 @@ def test_chunked_step_has_the_gradients_of_the_unchunked_step(monkeypatch):
     g_want = torch.autograd.grad(want, params)
 
     monkeypatch.setattr(drafter_module, "RECOMPUTE", 0)
-    monkeypatch.setattr(train, "LOGITS", 3 * 16)
+    monkeypatch.setattr(target_head, "LOGITS", 3 * 16)
     ce, _ = train.ttt_sums(model, model(aux, ids, steps, masks, head=False), last, masks, head)
     got = (w * ce / counts).sum()
     g_got = torch.autograd.grad(got, params)

@@ -20,12 +20,13 @@ import psutil
 import pytest
 import torch
 
-from eaglet import engine_eval, export, speculative, train
-from eaglet.drafter import Drafter
 from eaglet.engines.vllm import Engine, ServeConfig, eagle3
 from eaglet.errors import EagletError
-from eaglet.keys import Keys
-from eaglet.target import materialize, resolve, spec_of
+from eaglet.graph.keys import Keys
+from eaglet.model import speculative
+from eaglet.model.drafter import Drafter
+from eaglet.model.target import materialize, resolve, spec_of
+from eaglet.stages import engine_eval, export, train
 
 from .conftest import ROOT, tiny_params, write_params
 from .hidden_fixture import tiny_llama
@@ -141,9 +142,9 @@ def test_ctrl_c_on_a_generate_stage_stops_its_server(project):
 
 def test_vllm_backend_answers_equal_the_in_process_backend(project):
     """Greedy fp32, eager: vLLM's output ids equal transformers' for the same prompts."""
-    from eaglet import generate, prompts
-    from eaglet.io import read_jsonl
+    from eaglet.formats.io import read_jsonl
     from eaglet.params import load
+    from eaglet.stages import generate, prompts
 
     data = tiny_params(max_new_tokens=32)
     data["backends"] = {
@@ -236,8 +237,9 @@ def test_evaluate_measures_acceptance_with_the_engine(project):
     """`engine: vllm`: vLLM serves SmolLM2 with the drafter's vLLM export on each suite (held-out
     file, HumanEval), greedy and sampled; its greedy counters agree with eaglet's own speculative
     decoding, suite by suite, and lead the summary."""
-    from eaglet import evaluate, generate, hidden, prompts, status, vocab
     from eaglet.params import load
+    from eaglet.reports import status
+    from eaglet.stages import evaluate, generate, hidden, prompts, vocab
 
     data = tiny_params(max_new_tokens=16)
     data["drafters"]["d"]["evaluate"].update(

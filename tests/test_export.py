@@ -7,8 +7,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from eaglet import export, train
 from eaglet.errors import EagletError
+from eaglet.stages import export, train
 
 VERIFIER = {"name_or_path": "org/tiny", "architectures": ["LlamaForCausalLM"]}
 LAYER = {

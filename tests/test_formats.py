@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 
 from eaglet.errors import EagletError
-from eaglet.formats import FORMATS, BadRow, detect, prompt_of, to_messages
-from eaglet.readers import iter_rows
+from eaglet.formats.datasets import FORMATS, BadRow, detect, prompt_of, to_messages
+from eaglet.formats.readers import iter_rows
 
 FIXTURES = Path(__file__).parent / "fixtures" / "formats"
 

@@ -12,17 +12,18 @@ from pathlib import Path
 
 import pytest
 
-from eaglet import generate, prompts, status
-from eaglet.chat import prompt_ids
 from eaglet.engines.http import retry_after
 from eaglet.errors import EagletError
-from eaglet.io import read_jsonl
-from eaglet.keys import Keys, sidecar_of
+from eaglet.formats.chat import prompt_ids
+from eaglet.formats.io import read_jsonl
+from eaglet.formats.records import RESPONSE_FIELDS
+from eaglet.formats.store import Store, store_path
+from eaglet.graph.keys import Keys, sidecar_of
+from eaglet.model.target import SMOLLM2, load_tokenizer, resolve
 from eaglet.params import load
-from eaglet.preflight import preflight
-from eaglet.records import RESPONSE_FIELDS
-from eaglet.store import Store, store_path
-from eaglet.target import SMOLLM2, load_tokenizer, resolve
+from eaglet.reports import status
+from eaglet.stages import generate, prompts
+from eaglet.stages.preflight import preflight
 
 from .conftest import ROOT, write_params
 from .fake_llm import FakeLLM, chat_digest, openai_answer, sglang_answer

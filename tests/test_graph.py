@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from eaglet.keys import Keys
+from eaglet.graph.keys import Keys
 from eaglet.params import load
 
 from .conftest import ROOT, tiny_params, write_params
@@ -156,14 +156,14 @@ def _edit(path: Path, new: str):
 
 
 def test_comment_only_edit_reruns_nothing_and_real_edit_reruns_downstream(repo):
-    gen = repo / "src" / "eaglet" / "generate.py"
+    gen = repo / "src" / "eaglet" / "stages/generate.py"
     old = _edit(gen, "# a comment about the engine\n{old}\n# and another one\n")
     try:
         assert planned(repo) == {}
         gen.write_text(old + "\n\nRETRY_NOTE = 'a real change'\n")
         # prompts do not import generate
         assert planned(repo) == {"responses": 2, "hidden": 2, **DRAFTER, "all": 1}
-        readers = repo / "src" / "eaglet" / "readers.py"
+        readers = repo / "src" / "eaglet" / "formats/readers.py"
         old_readers = _edit(readers, "{old}\n\nUNUSED = 1\n")
         try:
             expected = {"prompts": 2, "responses": 2, "hidden": 2, **DRAFTER, "all": 1}
@@ -173,7 +173,7 @@ def test_comment_only_edit_reruns_nothing_and_real_edit_reruns_downstream(repo):
     finally:
         gen.write_text(old)
     assert planned(repo) == {}
-    hidden = repo / "src" / "eaglet" / "hidden.py"
+    hidden = repo / "src" / "eaglet" / "stages/hidden.py"
     old_hidden = _edit(hidden, "{old}\n\nUNUSED = 2\n")
     try:  # a real edit in the hidden-states module: hidden and downstream only
         assert planned(repo) == {"hidden": 2, **DRAFTER, "all": 1}
@@ -186,9 +186,9 @@ def test_plumbing_only_commit_has_nothing_to_do(repo):
     src = repo / "src" / "eaglet"
     edits = {
         src / "__init__.py": ('__version__ = "0.1.0"', '__version__ = "0.2.0"'),
-        src / "preflight.py": ("requests to send", "requests that would go out"),
+        src / "stages/preflight.py": ("requests to send", "requests that would go out"),
         src / "progress.py": ('f"ETA {', 'f"eta {'),
-        src / "keys.py": ("h = hashlib.sha256()", "h = hashlib.new('sha256')"),
+        src / "graph/keys.py": ("h = hashlib.sha256()", "h = hashlib.new('sha256')"),
     }
     olds = {path: _edit(path, "{old}") for path in edits}
     try:
@@ -251,7 +251,7 @@ def test_fresh_clone_plus_dvc_pull_is_up_to_date(repo, tmp_path):
 
 def test_gc_keeps_current_and_status_flags_other_code(repo):
     eaglet(repo, "gc")
-    gen = repo / "src" / "eaglet" / "generate.py"
+    gen = repo / "src" / "eaglet" / "stages/generate.py"
     old = _edit(gen, "{old}\n\nCHANGED = True\n")
     try:
         out = eaglet(repo, "status")

@@ -12,16 +12,18 @@ import pytest
 import torch
 import yaml
 
-from eaglet import cli, hidden, prompts, status
-from eaglet.chat import prompt_ids
+from eaglet import cli
 from eaglet.errors import EagletError
-from eaglet.hidden_store import HiddenReader, Storage, decode, encode
-from eaglet.hidden_verify import verify
-from eaglet.io import read_jsonl, write_jsonl_zst
-from eaglet.keys import Keys
+from eaglet.formats.chat import prompt_ids
+from eaglet.formats.hidden_store import HiddenReader, Storage, decode, encode
+from eaglet.formats.io import read_jsonl, write_jsonl_zst
+from eaglet.formats.records import response_record
+from eaglet.graph.keys import Keys
+from eaglet.model.target import SMOLLM2, load_model, load_tokenizer, resolve
 from eaglet.params import load
-from eaglet.records import response_record
-from eaglet.target import SMOLLM2, load_model, load_tokenizer, resolve
+from eaglet.reports import status
+from eaglet.stages import hidden, prompts
+from eaglet.stages.hidden_verify import verify
 
 from .conftest import DEMO
 from .sglang_server import SGLangServer

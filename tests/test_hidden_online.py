@@ -16,10 +16,10 @@ import torch
 import yaml
 from safetensors.torch import load_file
 
-from eaglet import drafter_data, generate, hidden, prompts, vocab
-from eaglet.io import read_json
-from eaglet.keys import Keys
+from eaglet.formats.io import read_json
+from eaglet.graph.keys import Keys
 from eaglet.params import load
+from eaglet.stages import drafter_data, generate, hidden, prompts, vocab
 
 from .conftest import DEMO, ROOT, tiny_params
 

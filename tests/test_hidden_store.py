@@ -2,7 +2,7 @@
 
 import torch
 
-from eaglet.hidden_store import PartialDir, Storage
+from eaglet.formats.hidden_store import PartialDir, Storage
 
 
 def sample(i, T=5, H=8):

@@ -5,8 +5,8 @@ import sys
 
 import pytest
 
-from eaglet.atomic import atomic_path
-from eaglet.io import read_jsonl, write_json, write_jsonl_zst
+from eaglet.formats.atomic import atomic_path
+from eaglet.formats.io import read_jsonl, write_json, write_jsonl_zst
 
 
 def test_jsonl_zst_round_trip(tmp_path):
@@ -47,7 +47,7 @@ def test_kill_9_mid_write_leaves_nothing_at_target(tmp_path):
     path = tmp_path / "big.jsonl.zst"
     code = f"""
 import itertools, os, signal
-from eaglet.io import write_jsonl_zst
+from eaglet.formats.io import write_jsonl_zst
 def recs():
     for i in itertools.count():
         if i == 20000:

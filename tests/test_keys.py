@@ -5,17 +5,22 @@ import subprocess
 import sys
 from pathlib import Path
 
-from eaglet.keys import PLUMBING, STAGES, Keys, _closure, sidecar_of
+from eaglet.graph.keys import PLUMBING, STAGES, Keys, _closure, sidecar_of
 from eaglet.params import load
 
 from .conftest import ROOT, tiny_params, write_params
 
 
 def test_closure_follows_eaglet_imports_and_stops_at_plumbing():
-    mods = _closure("eaglet.prompts")
-    assert {"eaglet.prompts", "eaglet.formats", "eaglet.readers", "eaglet.io"} <= mods
+    mods = _closure("eaglet.stages.prompts")
+    assert {
+        "eaglet.stages.prompts",
+        "eaglet.formats.datasets",
+        "eaglet.formats.readers",
+        "eaglet.formats.io",
+    } <= mods
     assert all(m.startswith("eaglet.") for m in mods)
-    assert "eaglet.generate" not in mods
+    assert "eaglet.stages.generate" not in mods
     assert not mods & PLUMBING  # imported (keys, params, progress, ...) but never hashed
 
 
@@ -36,8 +41,8 @@ def test_every_module_is_compute_of_a_stage_or_plumbing():
 def _code_keys(pkg_root, cache=None):
     """Code keys computed in a fresh interpreter that imports eaglet from `pkg_root`."""
     code = (
-        "from eaglet.keys import code_key\n"
-        "print(code_key('eaglet.prompts'), code_key('eaglet.generate'))"
+        "from eaglet.graph.keys import code_key\n"
+        "print(code_key('eaglet.stages.prompts'), code_key('eaglet.stages.generate'))"
     )
     out = subprocess.run(
         [sys.executable, "-c", code],
@@ -56,7 +61,7 @@ def test_code_key_cache_is_keyed_by_content(tmp_path):
     [stored] = cache.glob("code-ast-py*.json")
     assert len(json.loads(stored.read_text())) >= 10  # one entry per module parsed
     assert _code_keys(tmp_path, cache) == cold  # warm: read back, same keys
-    gen = tmp_path / "eaglet" / "generate.py"
+    gen = tmp_path / "eaglet" / "stages/generate.py"
     gen.write_text(gen.read_text() + "\nRETRY_NOTE = 1\n")
     edited = _code_keys(tmp_path, cache)
     assert edited[0] == cold[0] and edited[1] != cold[1]  # new bytes miss the cache
@@ -68,13 +73,13 @@ def test_code_key_cache_is_keyed_by_content(tmp_path):
 def test_code_key_ignores_comments_and_formatting_not_code(tmp_path):
     shutil.copytree(ROOT / "src" / "eaglet", tmp_path / "eaglet")
     before = _code_keys(tmp_path, tmp_path / "cache")
-    readers = tmp_path / "eaglet" / "readers.py"
+    readers = tmp_path / "eaglet" / "formats/readers.py"
     src = readers.read_text()
     readers.write_text("# a new comment\n" + src.replace("\n\n\n", "\n\n\n\n") + "\n# trailing\n")
     assert (
         _code_keys(tmp_path, tmp_path / "cache") == before
     )  # comments, blank lines: nothing changes
-    fmt = tmp_path / "eaglet" / "formats.py"
+    fmt = tmp_path / "eaglet" / "formats/datasets.py"
     fmt.write_text(fmt.read_text() + "\n\ndef _new_helper():\n    return 1\n")
     after = _code_keys(tmp_path, tmp_path / "cache")
     assert after[0] != before[0]  # prompts imports formats: its key moves
@@ -140,7 +145,7 @@ def test_suite_file_keys_evaluate_by_its_bytes_not_its_path(project):
 def test_keys_match_across_processes(project):
     path = write_params(project, tiny_params())
     code = (
-        "from eaglet.keys import Keys; from eaglet.params import load\n"
+        "from eaglet.graph.keys import Keys; from eaglet.params import load\n"
         f"print(Keys(load({str(path)!r})).key('responses', 'sg'))"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
@@ -188,21 +193,21 @@ def _demo_keys(pkg_root: Path, cache: Path) -> dict[tuple[str, str], str]:
 # a real change to a stage's compute code moves that stage and its downstream, nothing else.
 EDITS = [
     ("__init__.py", '__version__ = "0.1.0"', '__version__ = "9.9.9"', set()),
-    ("preflight.py", "requests to send", "requests that would go out", set()),
+    ("stages/preflight.py", "requests to send", "requests that would go out", set()),
     ("progress.py", 'f"ETA {', 'f"eta {', set()),
-    ("status.py", '"stale"', '"out of date"', set()),
+    ("reports/status.py", '"stale"', '"out of date"', set()),
     ("cli.py", "every artifact's current key", "the current key of every artifact", set()),
-    ("keys.py", "h = hashlib.sha256()", "h = hashlib.new('sha256')", set()),
-    ("hashing.py", "", "\n\ndef _unused():\n    return 0\n", set()),
-    ("atomic.py", "prefix = f", "prefix: str = f", set()),
-    ("hidden_verify.py", '"float32": 1e-3', '"float32": 2e-3', set()),
-    ("readers.py", "", "\nREAD_NOTE = 1\n", _and_downstream("prompts")),
+    ("graph/keys.py", "h = hashlib.sha256()", "h = hashlib.new('sha256')", set()),
+    ("formats/hashing.py", "", "\n\ndef _unused():\n    return 0\n", set()),
+    ("formats/atomic.py", "prefix = f", "prefix: str = f", set()),
+    ("stages/hidden_verify.py", '"float32": 1e-3', '"float32": 2e-3', set()),
+    ("formats/readers.py", "", "\nREAD_NOTE = 1\n", _and_downstream("prompts")),
     ("engines/transformers.py", "", "\nPAD_NOTE = 1\n", _and_downstream("responses")),
-    ("hidden_store.py", "", "\nSHARD_NOTE = 1\n", _and_downstream("hidden")),
-    ("vocab.py", "", "\nVOCAB_NOTE = 1\n", _and_downstream("vocab")),
-    ("drafter.py", "", "\nLAYER_NOTE = 1\n", _and_downstream("train")),
-    ("speculative.py", "", "\nDECODE_NOTE = 1\n", {"evaluate"}),
-    ("export.py", "", "\nEXPORT_NOTE = 1\n", {"sglang", "vllm", "evaluate"}),
+    ("formats/hidden_store.py", "", "\nSHARD_NOTE = 1\n", _and_downstream("hidden")),
+    ("stages/vocab.py", "", "\nVOCAB_NOTE = 1\n", _and_downstream("vocab")),
+    ("model/drafter.py", "", "\nLAYER_NOTE = 1\n", _and_downstream("train")),
+    ("model/speculative.py", "", "\nDECODE_NOTE = 1\n", {"evaluate"}),
+    ("stages/export.py", "", "\nEXPORT_NOTE = 1\n", {"sglang", "vllm", "evaluate"}),
 ]
 
 
@@ -250,3 +255,15 @@ def test_auto_device_and_dtype_key_like_what_they_resolve_to(project, monkeypatc
     assert gpu == keys("cuda", "bfloat16") and all(gpu[s] != cpu[s] for s in cpu)
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")  # every GPU hidden: the CPU build again
     assert keys("auto", "auto") == cpu
+
+
+def test_compare_names_a_move_of_the_code_layout():
+    """Across the package move every code key moves once; compare says why."""
+    from eaglet.graph.keys import LAYOUT
+    from eaglet.reports.compare import _changed
+
+    flat = {"params": {"seed": 0}, "code_key": "a"}  # written before code_layout was recorded
+    moved = {"params": {"seed": 0}, "code_key": "b", "code_layout": LAYOUT}
+    assert _changed(flat, moved) == ["code: a -> b", f"code layout 1 -> {LAYOUT}: modules moved"]
+    assert _changed(moved, moved | {"code_key": "c"}) == ["code: b -> c"]
+    assert _changed(moved, moved) == []

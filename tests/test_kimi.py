@@ -14,15 +14,14 @@ import pytest
 import torch
 import yaml
 
-from eaglet import arch, hidden
-from eaglet.chat import stop_ids
 from eaglet.cli import main
 from eaglet.errors import EagletError
-from eaglet.hidden_store import HiddenReader
-from eaglet.io import read_json
-from eaglet.keys import Keys, sidecar_of
-from eaglet.params import load
-from eaglet.target import (
+from eaglet.formats.chat import stop_ids
+from eaglet.formats.hidden_store import HiddenReader
+from eaglet.formats.io import read_json
+from eaglet.graph.keys import Keys, sidecar_of
+from eaglet.model import arch
+from eaglet.model.target import (
     SMOLLM2,
     check_special_tokens,
     load_config,
@@ -31,6 +30,8 @@ from eaglet.target import (
     load_tokenizer,
     resolve,
 )
+from eaglet.params import load
+from eaglet.stages import hidden
 
 from .conftest import write_params
 from .kimi_fixture import PREFIX, SPECIAL, TEXT, THINK, VOCAB, WRAPPER, tiny_kimi
@@ -204,7 +205,7 @@ def test_a_size_that_cannot_be_determined_is_one_error(kimi, tmp_path, edit, mes
     with pytest.raises(EagletError, match=message):
         load_config(spec)
         load_head(spec)
-        from eaglet.target import read_config, text_config
+        from eaglet.model.target import read_config, text_config
 
         text, prefix = text_config(read_config(spec)[0])
         arch.resolve(text, {}, "config.json", prefix)
@@ -263,7 +264,7 @@ def test_trust_on_the_chain_keeps_the_targets_ids(kimi, project, capsys):
     assert keys.provenance("hidden", "a1")["params"]["target"]["trust_remote_code"] is True
     reader = HiddenReader(keys.path("hidden", "a1"))
     tok = load_tokenizer(resolve(str(project / "target"), trust=True))
-    from eaglet.io import read_jsonl
+    from eaglet.formats.io import read_jsonl
 
     responses = {r["id"]: r for r in read_jsonl(keys.path("responses", "a1"))}
     tools = [r for r in responses.values() if r.get("tools")]
@@ -374,8 +375,8 @@ def test_params_file_of_the_example_trusts_a_pinned_revision():
 
 def _responses(keys) -> list[dict]:
     """Answers as an API writes them (text, reasoning, tool calls; no ids): the template path."""
-    from eaglet.io import read_jsonl, write_jsonl_zst
-    from eaglet.records import response_record
+    from eaglet.formats.io import read_jsonl, write_jsonl_zst
+    from eaglet.formats.records import response_record
 
     records = []
     for p in read_jsonl(keys.path("prompts", "a1")):

@@ -185,7 +185,7 @@ def test_overlay_keys_are_those_of_the_merged_file(project):
     """An overlay and the flat file it amounts to put every artifact at the same key."""
     import yaml
 
-    from eaglet.keys import Keys
+    from eaglet.graph.keys import Keys
 
     from .conftest import tiny_params
 

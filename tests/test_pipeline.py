@@ -7,11 +7,11 @@ import sys
 
 import pytest
 
-from eaglet.io import read_jsonl
-from eaglet.keys import Keys, sidecar_of
+from eaglet.formats.io import read_jsonl
+from eaglet.formats.records import RESPONSE_FIELDS
+from eaglet.graph.keys import Keys, sidecar_of
+from eaglet.model.target import SMOLLM2, load_tokenizer, resolve
 from eaglet.params import load
-from eaglet.records import RESPONSE_FIELDS
-from eaglet.target import SMOLLM2, load_tokenizer, resolve
 
 from .conftest import tiny_params, write_params
 

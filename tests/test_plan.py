@@ -10,11 +10,13 @@ from pathlib import Path
 import pytest
 from safetensors import safe_open
 
-from eaglet import arch, export, plan
 from eaglet.cli import main
-from eaglet.drafter import DrafterConfig
+from eaglet.model import arch
+from eaglet.model.drafter import DrafterConfig
+from eaglet.model.target import text_config
 from eaglet.params import load
-from eaglet.target import text_config
+from eaglet.reports import plan
+from eaglet.stages import export
 
 from .conftest import ROOT
 
@@ -155,8 +157,8 @@ def test_training_memory_of_the_example(capsys):
     80 GiB; the fixed part's weights are the drafter's own parameter count."""
     import torch
 
-    from eaglet import train_memory
-    from eaglet.drafter import Drafter
+    from eaglet.model import train_memory
+    from eaglet.model.drafter import Drafter
 
     params = load(EXAMPLE)
     rows = {r["dataset"]: r for r in plan.plan(params, CONFIG)["training"]}
@@ -189,8 +191,9 @@ def test_the_run_stage_by_stage(capsys):
     against its inputs; evaluation on the serving engine, never in-process."""
     import torch
 
-    from eaglet import footprint, placement
-    from eaglet.drafter import Drafter
+    from eaglet.graph import footprint
+    from eaglet.model.drafter import Drafter
+    from eaglet.reports import placement
 
     params = load(EXAMPLE)
     report = plan.plan(params, CONFIG)
@@ -208,7 +211,7 @@ def test_the_run_stage_by_stage(capsys):
     assert a1["seconds"] == pytest.approx(3000 / 0.35)  # the measured 0.3-0.4 req/s
     b2 = rows["generate B2_opencodeinstruct"]
     assert "openrouter.ai API" in b2["runs_on"] and b2["seconds"] == pytest.approx(25e6 / 16700)
-    # training: torchrun x 8, its memory the largest per-dataset peak of eaglet.train_memory
+    # training: torchrun x 8, its memory the largest per-dataset peak of eaglet.model.train_memory
     train = rows["train kimi_k25_eagle3"]
     peaks = {r["dataset"]: r["peak_bytes"] for r in report["training"]}
     a1_peak = f"{peaks['A1_deepswekimi'] / 2**30:.1f} GiB at 32,768 tokens (A1_deepswekimi)"
@@ -250,10 +253,10 @@ def test_an_evaluation_that_fits_nowhere_is_refused(tmp_path):
 def test_in_process_evaluation_only_where_the_target_fits(project, monkeypatch):
     """SmolLM2 fits this machine, so `auto` decodes in-process; on a machine of 100 MB it does
     not, and with no engine the evaluate key refuses (one line) instead of trying."""
-    from eaglet import footprint
     from eaglet.errors import EagletError
-    from eaglet.keys import Keys
-    from eaglet.target import materialize, resolve
+    from eaglet.graph import footprint
+    from eaglet.graph.keys import Keys
+    from eaglet.model.target import materialize, resolve
 
     from .conftest import tiny_params, write_params
 

@@ -5,12 +5,12 @@ import sys
 
 import pytest
 
-from eaglet import prompts
 from eaglet.errors import EagletError
-from eaglet.io import read_jsonl
-from eaglet.keys import Keys, sidecar_of
+from eaglet.formats.io import read_jsonl
+from eaglet.formats.records import prompt_id
+from eaglet.graph.keys import Keys, sidecar_of
 from eaglet.params import load
-from eaglet.records import prompt_id
+from eaglet.stages import prompts
 
 from .conftest import FIXTURES, write_params
 
@@ -19,8 +19,8 @@ FORMATS = FIXTURES / "formats"
 
 def count_rows(path):
     """Good and bad rows of a fixture, counted by the adapters alone (not by the stage)."""
-    from eaglet.formats import BadRow, prompt_of, to_messages
-    from eaglet.readers import iter_rows
+    from eaglet.formats.datasets import BadRow, prompt_of, to_messages
+    from eaglet.formats.readers import iter_rows
 
     good, bad = set(), 0
     for _, row, err in iter_rows(path):
@@ -75,8 +75,9 @@ def test_ids_are_content_hashes_stable_across_processes(tmp_path):
     outs, _ = run_stage(tmp_path, {"d": {"path": str(src), "format": "sharegpt"}})
     ids = [r["id"] for r in read_jsonl(outs["d"])]
     code = (
-        "from eaglet.formats import prompt_of, to_messages, tools_of;"
-        "from eaglet.readers import iter_rows; from eaglet.records import prompt_id\n"
+        "from eaglet.formats.datasets import prompt_of, to_messages, tools_of;"
+        "from eaglet.formats.readers import iter_rows;"
+        "from eaglet.formats.records import prompt_id\n"
         f"for _, row, err in iter_rows({str(src)!r}):\n"
         "    try: print(prompt_id(prompt_of(to_messages(row, 'sharegpt')), tools_of(row)))\n"
         "    except Exception: pass"
@@ -191,9 +192,10 @@ def test_suites_are_read_in_order_and_must_not_overlap_training(project):
     import gzip
     from types import SimpleNamespace
 
-    from eaglet import suites
-    from eaglet.chat import prompt_ids
-    from eaglet.target import SMOLLM2, load_tokenizer, resolve
+    from eaglet.formats import datasets
+    from eaglet.formats.chat import prompt_ids
+    from eaglet.model.target import SMOLLM2, load_tokenizer, resolve
+    from eaglet.stages import suites
 
     from .conftest import ROOT, tiny_params
 
@@ -206,7 +208,7 @@ def test_suites_are_read_in_order_and_must_not_overlap_training(project):
     tok = load_tokenizer(resolve(SMOLLM2))
     rows = [json.loads(line) for line in (ROOT / "data/heldout/natural.jsonl").open()][:2]
     want = [prompt_ids(tok, [{"role": "user", "content": r["instruction"]}]) for r in rows]
-    with gzip.open(suites.humaneval_path(), "rt") as f:
+    with gzip.open(datasets.humaneval_path(), "rt") as f:
         problems = [json.loads(line) for line in f]
     assert len(problems) == 164 and problems[0]["task_id"] == "HumanEval/0"
     trained = SimpleNamespace(ids=["0" * 16])  # a reader's sample ids are prompt ids

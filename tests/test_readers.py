@@ -12,7 +12,7 @@ import pytest
 import zstandard
 
 from eaglet.errors import EagletError
-from eaglet.readers import iter_rows
+from eaglet.formats.readers import iter_rows
 
 ROWS = [
     {"instruction": "Name a colour.", "input": "", "output": "Blue."},

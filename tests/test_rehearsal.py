@@ -30,11 +30,11 @@ from pathlib import Path
 import pytest
 import yaml
 
-from eaglet.formats import BadRow, to_messages
-from eaglet.keys import Keys
+from eaglet.formats.datasets import BadRow, to_messages
+from eaglet.formats.readers import iter_rows
+from eaglet.graph.keys import Keys
+from eaglet.model.target import load_model, load_tokenizer, resolve
 from eaglet.params import load
-from eaglet.readers import iter_rows
-from eaglet.target import load_model, load_tokenizer, resolve
 
 from .conftest import FIXTURES, ROOT
 from .kimi_fixture import tiny_kimi

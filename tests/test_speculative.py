@@ -2,7 +2,8 @@
 
 import torch
 
-from eaglet import speculative, train
+from eaglet.model import speculative
+from eaglet.stages import train
 
 
 def test_speculative_decoding_equals_greedy(tiny_drafter, monkeypatch):

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import json
 
-from eaglet import generate, status
-from eaglet.io import read_jsonl
-from eaglet.keys import Keys
+from eaglet.formats.io import read_jsonl
+from eaglet.graph.keys import Keys
+from eaglet.model.target import SMOLLM2, load_tokenizer, resolve
 from eaglet.params import load
-from eaglet.target import SMOLLM2, load_tokenizer, resolve
+from eaglet.reports import status
+from eaglet.stages import generate
 
 from .conftest import write_params
 from .fake_llm import FakeLLM
@@ -139,7 +140,7 @@ def test_artifact_states_missing_up_to_date_stale(tmp_path, monkeypatch):
 def test_gc_removes_other_keys_and_their_leftovers_but_not_the_current_partial(
     tmp_path, monkeypatch
 ):
-    from eaglet.artifacts import gc
+    from eaglet.graph.artifacts import gc
 
     monkeypatch.setenv("EAGLET_TEST_KEY", KEY)
     fake = FakeLLM(api_key=KEY).start()

@@ -1,7 +1,7 @@
 import pytest
 
 from eaglet.errors import EagletError
-from eaglet.target import (
+from eaglet.model.target import (
     SMOLLM2,
     SMOLLM2_HUB,
     load_model,
@@ -40,7 +40,7 @@ def test_loads_offline_with_the_real_config(smollm2, monkeypatch):
 def test_generates_coherent_text(smollm2):
     import torch
 
-    from eaglet.chat import prompt_ids
+    from eaglet.formats.chat import prompt_ids
 
     _, tok, model = smollm2
     ids = prompt_ids(tok, [{"role": "user", "content": "What is the capital of France?"}])

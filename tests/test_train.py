@@ -119,7 +119,7 @@ class Lengths:
 
 
 def test_overlong_samples_are_cut_or_skipped_and_counted():
-    from eaglet import train
+    from eaglet.stages import train
 
     readers = [Lengths(10, 50), Lengths(33, 32)]
     refs = [(0, "s0"), (0, "s1"), (1, "s0"), (1, "s1")]
@@ -131,11 +131,12 @@ def test_overlong_samples_are_cut_or_skipped_and_counted():
 
 
 def test_a_sample_that_would_not_fit_the_gpu_is_one_error_before_training():
-    from eaglet import drafter, train, train_memory
-    from eaglet.drafter import DrafterConfig
     from eaglet.errors import EagletError
+    from eaglet.model import drafter, target_head, train_memory
+    from eaglet.model.drafter import DrafterConfig
+    from eaglet.stages import train
 
-    assert (train_memory.LOGITS, train_memory.SCORES) == (train.LOGITS, drafter.SCORES)
+    assert (train_memory.LOGITS, train_memory.SCORES) == (target_head.LOGITS, drafter.SCORES)
 
     cfg = DrafterConfig(
         vocab_size=1000, draft_vocab_size=100, hidden_size=64, target_hidden_size=64,

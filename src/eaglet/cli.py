@@ -27,7 +27,7 @@ def _checked(args: argparse.Namespace, stage: str):
     params = _params(args)
     name = getattr(args, "dataset", None) or args.drafter
     if args.key:
-        from eaglet.keys import Keys
+        from eaglet.graph.keys import Keys
 
         current = Keys(params).key(stage, name)
         if args.key != current:
@@ -39,17 +39,17 @@ def _checked(args: argparse.Namespace, stage: str):
 
 
 def cmd_prompts(args: argparse.Namespace) -> None:
-    from eaglet import prompts
+    from eaglet.stages import prompts
 
     print(prompts.build(_checked(args, "prompts"), args.dataset, out=args.out))
 
 
 def cmd_generate(args: argparse.Namespace) -> None:
-    from eaglet import generate
+    from eaglet.stages import generate
 
     params = _checked(args, "responses")
     if args.dry_run:
-        from eaglet import preflight
+        from eaglet.stages import preflight
 
         preflight.show(preflight.preflight(params, args.dataset))
         return
@@ -61,11 +61,11 @@ def cmd_generate(args: argparse.Namespace) -> None:
 def cmd_hidden(args: argparse.Namespace) -> None:
     import json
 
-    from eaglet import hidden
+    from eaglet.stages import hidden
 
     params = _checked(args, "hidden")
     if args.verify:
-        from eaglet.hidden_verify import verify
+        from eaglet.stages.hidden_verify import verify
 
         report = verify(
             params, args.dataset, path=args.out, samples=args.samples, threads=args.threads
@@ -76,13 +76,13 @@ def cmd_hidden(args: argparse.Namespace) -> None:
 
 
 def cmd_vocab(args: argparse.Namespace) -> None:
-    from eaglet import vocab
+    from eaglet.stages import vocab
 
     print(vocab.build(_checked(args, "vocab"), args.drafter, out=args.out))
 
 
 def cmd_train(args: argparse.Namespace) -> None:
-    from eaglet import train
+    from eaglet.stages import train
 
     params = _checked(args, "train")
     out = train.build(params, args.drafter, out=args.out, threads=args.threads, quiet=args.quiet)
@@ -91,7 +91,7 @@ def cmd_train(args: argparse.Namespace) -> None:
 
 
 def cmd_evaluate(args: argparse.Namespace) -> None:
-    from eaglet import evaluate
+    from eaglet.stages import evaluate
 
     params = _checked(args, "evaluate")
     out = evaluate.build(params, args.drafter, args.out, threads=args.threads, quiet=args.quiet)
@@ -99,7 +99,7 @@ def cmd_evaluate(args: argparse.Namespace) -> None:
 
 
 def cmd_export(args: argparse.Namespace) -> None:
-    from eaglet import export
+    from eaglet.stages import export
 
     out, command = export.build(_checked(args, args.to), args.drafter, args.to, out=args.out)
     print(f"eaglet: {args.to} export validated; serve with:\n  {command}", file=sys.stderr)
@@ -107,7 +107,7 @@ def cmd_export(args: argparse.Namespace) -> None:
 
 
 def cmd_import_responses(args: argparse.Namespace) -> None:
-    from eaglet import foreign
+    from eaglet.stages import foreign
 
     s = foreign.import_file(_params(args), args.dataset, args.file)
     cost = f", ${s['cost']:.4f}" if s["cost"] else ""
@@ -122,14 +122,14 @@ def cmd_import_responses(args: argparse.Namespace) -> None:
 def cmd_plan(args: argparse.Namespace) -> None:
     import json
 
-    from eaglet import plan
+    from eaglet.reports import plan
 
     report = plan.plan(_params(args), args.target_config, args.gpu_memory * 2**30)
     print(json.dumps(report, indent=2) if args.json else plan.render(report))
 
 
 def cmd_status(args: argparse.Namespace) -> None:
-    from eaglet import status
+    from eaglet.reports import status
 
     status.show(_params(args), as_json=args.json)
 
@@ -137,8 +137,8 @@ def cmd_status(args: argparse.Namespace) -> None:
 def cmd_keys(args: argparse.Namespace) -> None:
     import json
 
-    from eaglet.artifacts import names
-    from eaglet.keys import STAGES, Keys
+    from eaglet.graph.artifacts import names
+    from eaglet.graph.keys import STAGES, Keys
 
     params = _params(args)
     keys = Keys(params)
@@ -158,8 +158,8 @@ def cmd_keys(args: argparse.Namespace) -> None:
 
 
 def cmd_gc(args: argparse.Namespace) -> None:
-    from eaglet.artifacts import gc
-    from eaglet.keys import Keys
+    from eaglet.graph.artifacts import gc
+    from eaglet.graph.keys import Keys
 
     params = _params(args)
     removed = gc(Keys(params), dry_run=args.dry_run)
@@ -170,14 +170,14 @@ def cmd_gc(args: argparse.Namespace) -> None:
 
 
 def cmd_publish(args: argparse.Namespace) -> None:
-    from eaglet.publish import publish
+    from eaglet.reports.publish import publish
 
     for path in publish(_params(args)):
         print(path)
 
 
 def cmd_compare(args: argparse.Namespace) -> None:
-    from eaglet.compare import compare, dvc_diffs, render
+    from eaglet.reports.compare import compare, dvc_diffs, render
 
     repo = Path(args.repo).resolve()
     tables = compare(repo, args.rev_a, args.rev_b, args.params)
@@ -188,13 +188,13 @@ def cmd_compare(args: argparse.Namespace) -> None:
 
 
 def cmd_report(args: argparse.Namespace) -> None:
-    from eaglet import report
+    from eaglet.reports import report
 
     print(report.write(_params(args), args.drafter, args.out))
 
 
 def cmd_path(args: argparse.Namespace) -> None:
-    from eaglet.keys import Keys
+    from eaglet.graph.keys import Keys
 
     print(Keys(_params(args)).path(args.stage, args.name))
 
@@ -211,6 +211,18 @@ def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="eaglet", description=__doc__.splitlines()[0])
     ap.add_argument("--version", action="version", version=f"eaglet {__version__}")
     sub = ap.add_subparsers(dest="command", required=True)
+    _stage_commands(sub)
+    _graph_commands(sub)
+    return ap
+
+
+def _run_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--threads", type=int, help="torch threads (Snakemake passes {threads})")
+    p.add_argument("--quiet", action="store_true", help="log lines instead of a live bar")
+
+
+def _stage_commands(sub: argparse._SubParsersAction) -> None:
+    """One command per stage of the pipeline, each building one artifact."""
 
     def stage(name: str, fn: Callable, help: str, what: str = "dataset") -> argparse.ArgumentParser:
         p = sub.add_parser(name, help=help)
@@ -223,9 +235,7 @@ def parser() -> argparse.ArgumentParser:
 
     stage("prompts", cmd_prompts, "read a raw dataset into prompt records")
     g = stage("generate", cmd_generate, "regenerate responses with the target")
-    g.add_argument("--threads", type=int, help="torch threads (Snakemake passes {threads})")
-    g.add_argument("--quiet", action="store_true", help="log lines instead of a live bar")
-
+    _run_flags(g)
     g.add_argument(
         "--dry-run", action="store_true", help="check the backend, say what a run would do"
     )
@@ -237,21 +247,19 @@ def parser() -> argparse.ArgumentParser:
     p.set_defaults(fn=cmd_import_responses)
 
     h = stage("hidden", cmd_hidden, "store the target's hidden states for the responses")
-    h.add_argument("--threads", type=int, help="torch threads (Snakemake passes {threads})")
-    h.add_argument("--quiet", action="store_true", help="log lines instead of a live bar")
+    _run_flags(h)
     h.add_argument("--verify", action="store_true", help="re-run the target, compare")
     h.add_argument("--samples", type=int, help="records --verify re-runs")
     stage("vocab", cmd_vocab, "pick the draft vocabulary from the assistant tokens", "drafter")
-    for name, fn, text in [
-        ("train", cmd_train, "train the EAGLE-3 drafter (torchrun for DDP)"),
-        ("evaluate", cmd_evaluate, "speculative decoding against the target: acceptance"),
-    ]:
-        g = stage(name, fn, text, "drafter")
-        g.add_argument("--threads", type=int, help="torch threads (Snakemake passes {threads})")
-        g.add_argument("--quiet", action="store_true", help="log lines instead of a live bar")
+    _run_flags(stage("train", cmd_train, "train the EAGLE-3 drafter (torchrun for DDP)", "drafter"))
+    text = "speculative decoding against the target: acceptance"
+    _run_flags(stage("evaluate", cmd_evaluate, text, "drafter"))
     g = stage("export", cmd_export, "write and validate an SGLang or vLLM draft folder", "drafter")
     g.add_argument("--to", choices=["sglang", "vllm"], required=True, help="serving engine")
 
+
+def _graph_commands(sub: argparse._SubParsersAction) -> None:
+    """Commands over the whole graph: plan it, see it, compare, publish, clean up."""
     p = sub.add_parser("plan", help="prompts, tokens, dollars and disk before anything runs")
     p.add_argument("--target-config", type=Path, help="the target's config.json, if not local")
     p.add_argument("--json", action="store_true", help="machine-readable output")
@@ -261,15 +269,24 @@ def parser() -> argparse.ArgumentParser:
     _add_common(p)
     p.set_defaults(fn=cmd_plan)
 
-    p = sub.add_parser("status", help="every artifact: current key, built or missing, stats")
-    p.add_argument("--json", action="store_true", help="machine-readable output")
-    _add_common(p)
-    p.set_defaults(fn=cmd_status)
-
-    p = sub.add_parser("keys", help="every artifact's current key and the inputs that make it")
-    p.add_argument("--json", action="store_true", help="full provenance as JSON")
-    _add_common(p)
-    p.set_defaults(fn=cmd_keys)
+    for name, fn, text, json_help in [
+        (
+            "status",
+            cmd_status,
+            "every artifact: current key, built or missing, stats",
+            "machine-readable output",
+        ),
+        (
+            "keys",
+            cmd_keys,
+            "every artifact's current key and the inputs that make it",
+            "full provenance as JSON",
+        ),
+    ]:
+        p = sub.add_parser(name, help=text)
+        p.add_argument("--json", action="store_true", help=json_help)
+        _add_common(p)
+        p.set_defaults(fn=fn)
 
     p = sub.add_parser("gc", help="remove non-current keyed artifacts (DVC's cache keeps them)")
     p.add_argument("--dry-run", action="store_true", help="only list what would go")
@@ -301,7 +318,6 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("name")
     _add_common(p)
     p.set_defaults(fn=cmd_path)
-    return ap
 
 
 def main(argv: list[str] | None = None) -> int:

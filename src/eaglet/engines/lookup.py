@@ -75,8 +75,8 @@ def generator(params: Params, name: str, threads: int | None = None) -> Backend:
 
 
 def hidden_states(params: Params, target: Any, layer_ids: list[int], threads: int | None = None):
-    """The hidden-states engine `hidden.backend` of params.yaml, for `target` (eaglet.hidden's
-    Target: spec, config, max_length) and the aux layers `layer_ids`."""
+    """The hidden-states engine `hidden.backend` of params.yaml, for `target`
+    (eaglet.stages.hidden's Target: spec, config, max_length) and the aux layers `layer_ids`."""
     h = params.data["hidden"]
     module = engine(h["backend"], "hidden", f"{params.path}: hidden.backend")
     return module.hidden_states(h, target, layer_ids, threads)

@@ -16,8 +16,8 @@ import httpx
 
 from eaglet.engines.http import Client, Retryable, classify, unreachable
 from eaglet.errors import EagletError
+from eaglet.model.target import load_tokenizer, spec_of
 from eaglet.params import Params
-from eaglet.target import load_tokenizer, spec_of
 
 CAN = frozenset({"generate"})  # text (and usage) back, never a state of the target
 

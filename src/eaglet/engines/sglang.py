@@ -15,20 +15,20 @@ from typing import TYPE_CHECKING, Any
 
 import httpx
 
-from eaglet.chat import prompt_ids
 from eaglet.engines.http import Client, Fatal, Retryable, unreachable
 from eaglet.engines.openai import chat_body, parse_chat
 from eaglet.errors import EagletError
+from eaglet.formats.chat import prompt_ids
+from eaglet.model.target import load_tokenizer, spec_of
 from eaglet.params import Params
-from eaglet.target import load_tokenizer, spec_of
 
 if TYPE_CHECKING:
     import torch
 
     States = tuple[torch.Tensor, torch.Tensor]
 
-# eaglet speculates with transformers (eaglet.speculative) and vLLM (the engine evaluation), not
-# with SGLang: its export is written and validated, never served here
+# eaglet speculates with transformers (eaglet.model.speculative) and vLLM (the engine
+# evaluation), not with SGLang: its export is written and validated, never served here
 CAN = frozenset({"generate", "hidden"})
 
 

@@ -14,12 +14,13 @@ from typing import Any
 
 import torch
 
-from eaglet.chat import prompt_ids, stop_ids
 from eaglet.errors import EagletError
+from eaglet.formats.chat import prompt_ids, stop_ids
+from eaglet.model.target import TargetSpec, load_model, load_tokenizer, pick_device, spec_of
 from eaglet.params import Params
-from eaglet.target import TargetSpec, load_model, load_tokenizer, pick_device, spec_of
 
-# speculate: eaglet's own speculative decoder (eaglet.speculative) runs on this in-process target
+# speculate: eaglet's own speculative decoder (eaglet.model.speculative) runs on this
+# in-process target
 CAN = frozenset({"generate", "hidden", "speculate"})
 States = tuple[torch.Tensor, torch.Tensor]
 

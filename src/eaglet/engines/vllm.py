@@ -13,7 +13,7 @@ and, if eaglet itself is killed with SIGKILL, by the reaper the server runs unde
 to a running server instead (a GPU node started by its operator) and stops nothing.
 `ServeConfig` passes `--speculative-config` (EAGLE-3 drafters: `eagle3()`),
 `--kv-transfer-config` and any extra CLI arguments through. `spec_counters()` reads the
-speculative-decoding counters of `GET /metrics` (the engine evaluation, eaglet.engine_eval).
+speculative-decoding counters of `GET /metrics` (the engine evaluation, eaglet.stages.engine_eval).
 
 Generation (`VLLMBackend`): `POST /v1/completions` with the prompt as token ids, answers as token
 ids. The prompt is rendered by the target's own chat template here (as for SGLang's `/generate`),
@@ -51,13 +51,12 @@ from typing import IO, TYPE_CHECKING, Any
 
 import httpx
 
-from eaglet.chat import prompt_ids, stop_ids
 from eaglet.device import device_type, resolve_dtype
 from eaglet.engines.http import Client, Retryable, unreachable
 from eaglet.errors import EagletError
-from eaglet.hashing import cache_dir
-from eaglet.params import Params
-from eaglet.target import (
+from eaglet.formats.chat import prompt_ids, stop_ids
+from eaglet.formats.hashing import cache_dir
+from eaglet.model.target import (
     TargetSpec,
     load_config,
     load_tensor,
@@ -66,6 +65,7 @@ from eaglet.target import (
     read_config,
     spec_of,
 )
+from eaglet.params import Params
 
 if TYPE_CHECKING:
     import torch

@@ -1,0 +1,206 @@
+"""The response store: every answer a backend gave, committed before it counts as done.
+
+One SQLite file per project (`data/cache/responses.sqlite`, WAL mode) shared by every dataset and
+every `eaglet generate` process. A row is keyed by the SHA-256 of the request itself: the backend
+identity (kind, model, routing; the target's weights for sglang and transformers), the sampling
+settings and the messages. So a rerun asks only for what is missing, an identical prompt in two
+datasets is paid for once, and moving to another backend or model never reuses old answers.
+
+An `ok` row is never replaced; a `failed` row is replaced by the next attempt's outcome. The
+`runs` table holds a heartbeat of each generation in progress, read by `eaglet status`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import socket
+import sqlite3
+import time
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+
+from eaglet.formats.io import dumps
+
+BUSY_TIMEOUT_MS = 60_000
+CHUNK = 500  # keys per SELECT ... IN (...)
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS responses (
+    key TEXT PRIMARY KEY,
+    status TEXT NOT NULL CHECK (status IN ('ok', 'failed')),
+    result TEXT,
+    error TEXT,
+    attempts INTEGER NOT NULL,
+    completion_tokens INTEGER,
+    cost REAL,
+    backend TEXT NOT NULL,
+    updated REAL NOT NULL
+);
+CREATE INDEX IF NOT EXISTS responses_backend ON responses (backend, status);
+CREATE TABLE IF NOT EXISTS runs (
+    dataset TEXT NOT NULL,
+    key TEXT NOT NULL,
+    host TEXT NOT NULL,
+    pid INTEGER NOT NULL,
+    started REAL NOT NULL,
+    updated REAL NOT NULL,
+    state TEXT NOT NULL,
+    progress TEXT NOT NULL,
+    PRIMARY KEY (dataset, key)
+);
+"""
+
+
+def store_path(root: Path) -> Path:
+    """The project's store: under the params file's directory."""
+    return Path(root) / "data" / "cache" / "responses.sqlite"
+
+
+class RequestKeys:
+    """Request key = sha256(identity, sampling, messages); the first two are fixed per dataset."""
+
+    def __init__(self, identity: dict, sampling: dict):
+        self.prefix = dumps({"identity": identity, "sampling": sampling})
+        self.backend = hashlib.sha256(dumps(identity).encode()).hexdigest()[:16]
+
+    def __call__(self, messages: list[dict]) -> str:
+        return hashlib.sha256(f"{self.prefix}\0{dumps(messages)}".encode()).hexdigest()
+
+
+class Store:
+    """One connection to the store (one per process; used from one thread)."""
+
+    def __init__(self, path: Path):
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.db = sqlite3.connect(self.path, timeout=BUSY_TIMEOUT_MS / 1000, isolation_level=None)
+        self.db.execute(f"PRAGMA busy_timeout = {BUSY_TIMEOUT_MS}")
+        self.db.execute("PRAGMA journal_mode = WAL")
+        self.db.execute("PRAGMA synchronous = NORMAL")  # WAL: survives kill -9, not power loss
+        self.db.executescript(_SCHEMA)
+
+    def close(self) -> None:
+        self.db.close()
+
+    @contextlib.contextmanager
+    def transaction(self) -> Iterator[None]:
+        """One write transaction: all of the block's writes, or none."""
+        self.db.execute("BEGIN IMMEDIATE")
+        try:
+            yield
+        except BaseException:
+            self.db.execute("ROLLBACK")
+            raise
+        self.db.execute("COMMIT")
+
+    # ------------------------------------------------------------------ responses
+    def get_many(self, keys: Iterable[str]) -> dict[str, dict]:
+        """Rows for the keys that have one: {key: {status, result, error, attempts, ...}}."""
+        keys = list(keys)
+        out: dict[str, dict] = {}
+        for i in range(0, len(keys), CHUNK):
+            part = keys[i : i + CHUNK]
+            marks = ",".join("?" * len(part))
+            for key, status, result, error, attempts, tokens, cost in self.db.execute(
+                "SELECT key, status, result, error, attempts, completion_tokens, cost "
+                f"FROM responses WHERE key IN ({marks})",
+                part,
+            ):
+                out[key] = {
+                    "status": status,
+                    "result": json.loads(result) if result else None,
+                    "error": error,
+                    "attempts": attempts,
+                    "completion_tokens": tokens,
+                    "cost": cost,
+                }
+        return out
+
+    def put(self, key: str, backend: str, result: dict) -> None:
+        """Commit one outcome: an answer (`result` without "error") or a failure after retries.
+        A failure never replaces an answer; attempts add up across runs."""
+        failed = "error" in result
+        self.db.execute(
+            "INSERT INTO responses (key, status, result, error, attempts, completion_tokens, "
+            "cost, backend, updated) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?) "
+            "ON CONFLICT (key) DO UPDATE SET status = excluded.status, result = excluded.result, "
+            "error = excluded.error, attempts = responses.attempts + excluded.attempts, "
+            "completion_tokens = excluded.completion_tokens, cost = excluded.cost, "
+            "updated = excluded.updated WHERE responses.status = 'failed'",
+            (
+                key,
+                "failed" if failed else "ok",
+                None if failed else dumps(result),
+                result["error"] if failed else None,
+                result["attempts"],
+                None if failed else result["completion_tokens"],
+                None if failed else result.get("cost"),
+                backend,
+                time.time(),
+            ),
+        )
+
+    def totals(self) -> tuple[int, float]:
+        """Completion tokens and dollars of every answer in the store: the project's spend."""
+        tokens, cost = self.db.execute(
+            "SELECT COALESCE(SUM(completion_tokens), 0), COALESCE(SUM(cost), 0.0) "
+            "FROM responses WHERE status = 'ok'"
+        ).fetchone()
+        return int(tokens), float(cost)
+
+    def history(self, backend: str) -> dict:
+        """Answers this backend identity gave so far: count, mean tokens, mean cost."""
+        n, tokens, cost, priced = self.db.execute(
+            "SELECT COUNT(*), AVG(completion_tokens), AVG(cost), COUNT(cost) FROM responses "
+            "WHERE backend = ? AND status = 'ok'",
+            (backend,),
+        ).fetchone()
+        return {"answers": n, "mean_tokens": tokens, "mean_cost": cost if priced else None}
+
+    # ------------------------------------------------------------------ runs
+    def run_started(self, dataset: str, key: str) -> None:
+        now = time.time()
+        self.db.execute(
+            "INSERT OR REPLACE INTO runs VALUES (?, ?, ?, ?, ?, ?, 'running', '{}')",
+            (dataset, key, socket.gethostname(), os.getpid(), now, now),
+        )
+
+    def run_progress(self, dataset: str, key: str, progress: dict, state: str = "running"):
+        self.db.execute(
+            "UPDATE runs SET updated = ?, state = ?, progress = ? "
+            "WHERE dataset = ? AND key = ? AND pid = ?",
+            (time.time(), state, dumps(progress), dataset, key, os.getpid()),
+        )
+
+    def run(self, dataset: str, key: str) -> dict | None:
+        """The last run of (dataset, key), with `alive` telling whether it is still going."""
+        row = self.db.execute(
+            "SELECT host, pid, started, updated, state, progress FROM runs "
+            "WHERE dataset = ? AND key = ?",
+            (dataset, key),
+        ).fetchone()
+        if row is None:
+            return None
+        host, pid, started, updated, state, progress = row
+        alive = state == "running" and host == socket.gethostname() and _pid_alive(pid)
+        return {
+            "pid": pid,
+            "started": started,
+            "updated": updated,
+            "state": state if alive or state != "running" else "interrupted",
+            "alive": alive,
+            **json.loads(progress),
+        }
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True

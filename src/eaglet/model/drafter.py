@@ -1,0 +1,355 @@
+"""The EAGLE-3 drafter: one Llama decoder layer over fused target features, nanoGPT-style.
+
+B batch, T positions, H hidden size (the target's by default), V target vocab, Vd draft vocab.
+At position t a drafting step reads the embedding of the token *after* t and a hidden state:
+at the first step the fused target features fc(cat(low, mid, high)) of position t, at later
+steps the drafter's own output at t from the step before. It predicts the token after that.
+
+    x = cat(input_layernorm(embed(token)), hidden_norm(hidden))   # [B, T, 2H]
+    h = hidden + o_proj(attention(x))                             # the residual is the raw hidden
+    h = h + mlp(post_attention_layernorm(h))                      # fed back as the next hidden
+    logits = lm_head(norm(h))                                     # [B, T, Vd]
+
+Draft id i is target id i + d2t[i]; t2d marks the target ids in the draft vocab. Parameter
+names are SGLang's (`midlayer.*`), so a state dict is an SGLang checkpoint up to the frozen
+embeddings. Decoding appends to a KVCache; training runs all steps at once (`forward`).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.utils.checkpoint import checkpoint
+
+from eaglet.model.arch import resolve as resolve_arch
+
+
+@dataclass(frozen=True)
+class DrafterConfig:
+    vocab_size: int  # V, the target's
+    draft_vocab_size: int  # Vd
+    hidden_size: int  # H
+    target_hidden_size: int  # the target's H: fc reads one state per aux layer
+    intermediate_size: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    max_position_embeddings: int
+    aux_layer_ids: tuple[int, ...]  # SGLang convention: the output of decoder layer k
+    rope_scaling: dict | None = None  # YaRN: {rope_type: yarn, factor, ...}; None: plain RoPE
+
+    @classmethod
+    def from_target(
+        cls,
+        target: Any,
+        draft_vocab_size: int,
+        aux_layer_ids: list[int],
+        arch: dict | None = None,
+        where: str = "target config",
+    ) -> DrafterConfig:
+        """Sizes from the target's text config (a dict, or a config object) and `arch`, the
+        params' choices over the defaults of eaglet.model.arch (Llama-like: mirror one target layer;
+        MLA: the published Kimi drafters' shape)."""
+        text = target if isinstance(target, dict) else _as_dict(target)
+        resolved = resolve_arch(text, arch or {}, where)
+        return cls(
+            vocab_size=text["vocab_size"],
+            draft_vocab_size=draft_vocab_size,
+            target_hidden_size=text["hidden_size"],
+            aux_layer_ids=tuple(aux_layer_ids),
+            **resolved,
+        )
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["aux_layer_ids"] = list(self.aux_layer_ids)
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict) -> DrafterConfig:
+        return cls(**{**d, "aux_layer_ids": tuple(d["aux_layer_ids"])})
+
+
+def _as_dict(config: Any) -> dict:
+    return config.to_dict() if hasattr(config, "to_dict") else dict(vars(config))
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: Tensor) -> Tensor:
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(x.dtype)
+
+
+def rope_frequencies(d: int, theta: float, scaling: dict | None) -> tuple[Tensor, float]:
+    """(inverse frequencies [d/2], factor on cos/sin) of RoPE, or of YaRN when `scaling` says:
+    dimensions rotating fewer than beta_slow times over the original context are interpolated
+    (frequency / factor), those rotating more than beta_fast times kept, a linear ramp between,
+    and cos/sin scaled by the attention factor (0.1·ln(factor) + 1, or the mscale ratio)."""
+    inv_freq = 1.0 / theta ** (torch.arange(0, d, 2, dtype=torch.float32) / d)
+    if scaling is None:
+        return inv_freq, 1.0
+    factor, original = scaling["factor"], scaling["original_max_position_embeddings"]
+    fast, slow = scaling.get("beta_fast") or 32, scaling.get("beta_slow") or 1
+
+    def dim_of(rotations: float) -> float:  # the dimension that turns `rotations` times
+        return d * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+    low, high = max(math.floor(dim_of(fast)), 0), min(math.ceil(dim_of(slow)), d - 1)
+    ramp = ((torch.arange(d // 2, dtype=torch.float32) - low) / max(high - low, 1e-3)).clamp(0, 1)
+    inv_freq = inv_freq / factor * ramp + inv_freq * (1 - ramp)
+
+    def mscale(m: float = 1.0) -> float:
+        return 0.1 * m * math.log(factor) + 1.0 if factor > 1 else 1.0
+
+    attn = scaling.get("attention_factor")
+    if attn is None:
+        m, m_all = scaling.get("mscale"), scaling.get("mscale_all_dim")
+        attn = mscale(m) / mscale(m_all) if m and m_all else mscale()
+    return inv_freq, float(attn)
+
+
+def rope(x: Tensor, pos: Tensor, inv_freq: Tensor, factor: float = 1.0) -> Tensor:
+    """Rotary position embedding (Llama's rotate-half form) of x [B, heads, T, d] at pos [T]."""
+    d = x.shape[-1]
+    freqs = pos.to(torch.float32)[:, None] * inv_freq[None, :]
+    emb = torch.cat([freqs, freqs], dim=-1)
+    cos, sin = (emb.cos() * factor).to(x.dtype), (emb.sin() * factor).to(x.dtype)
+    x1, x2 = x[..., : d // 2], x[..., d // 2 :]
+    return x * cos + torch.cat([-x2, x1], dim=-1) * sin
+
+
+class KVCache:
+    """The drafter layer's keys and values so far, each [B, kv_heads, S, head_dim]."""
+
+    def __init__(self):
+        self.k: Tensor | None = None
+        self.v: Tensor | None = None
+
+    def __len__(self) -> int:
+        return 0 if self.k is None else self.k.shape[2]
+
+    def add(self, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+        self.k = k if self.k is None else torch.cat([self.k, k], dim=2)
+        self.v = v if self.v is None else torch.cat([self.v, v], dim=2)
+        return self.k, self.v
+
+    def crop(self, n: int) -> None:
+        if self.k is not None:
+            self.k, self.v = self.k[:, :, :n], self.v[:, :, :n]
+
+
+SCORES = 2**24  # attention scores held at once (fp32: 64 MiB), whatever the sequence length
+RECOMPUTE = 2048  # positions (B x T) above which training recomputes each TTT step in backward
+
+
+def attend(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    past: int,
+    diagonal: list[tuple[Tensor, Tensor]],
+    scores: int | None = None,
+) -> Tensor:
+    """softmax(q·k/√d)·v, causal: query i sits at position past + i and sees the keys at
+    positions <= its own, plus, from each (k, v) pair in `diagonal`, the one key at the query's
+    own index. q [B, h, T, d]; k, v [B, kv_h, S, d]; diagonal pairs [B, kv_h, T, d].
+
+    Queries go in chunks of rows so that at most `scores` (default SCORES) exist at once;
+    under autograd, when there is more than one chunk, a chunk's scores are recomputed in
+    backward rather than kept, so memory grows linearly with T (compute stays quadratic)."""
+    if not diagonal and past == 0 and q.shape[2] == k.shape[2]:  # plain causal: the fused kernel
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+    groups = q.shape[1] // k.shape[1]
+    if groups > 1:  # kv heads repeated to the query heads; the diagonal ones broadcast instead
+        k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+    dk, dv = [kd for kd, _ in diagonal], [vd for _, vd in diagonal]
+    b, h, t, _ = q.shape
+    rows = max(1, (scores or SCORES) // (b * h * k.shape[2]))
+    out = []
+    for i in range(0, t, rows):
+        j = min(i + rows, t)
+        seen = min(past + j, k.shape[2])  # the last key any query of the chunk may see
+        args = (q[:, :, i:j], k[:, :, :seen], v[:, :, :seen], past + i)
+        args += ([x[:, :, i:j] for x in dk], [x[:, :, i:j] for x in dv])
+        if torch.is_grad_enabled() and rows < t:
+            out.append(checkpoint(_attend_rows, *args, use_reentrant=False))
+        else:
+            out.append(_attend_rows(*args))
+    return torch.cat(out, dim=2)
+
+
+def _attend_rows(
+    q: Tensor, k: Tensor, v: Tensor, start: int, dk: list[Tensor], dv: list[Tensor]
+) -> Tensor:
+    """attend() for the queries at positions start.., over keys k, v of the query head count
+    and diagonal keys dk, dv of the kv head count (query head i reads kv head i // groups)."""
+    b, h, t, d = q.shape
+    scale = d**-0.5
+    qpos = torch.arange(t, device=q.device)[:, None] + start
+    causal = qpos >= torch.arange(k.shape[2], device=q.device)[None, :]
+    scores = [(q @ k.transpose(-2, -1) * scale).masked_fill(~causal, float("-inf"))]
+    kv = dk[0].shape[1] if dk else h
+    per_kv = q.view(b, kv, h // kv, t, d)  # query heads grouped under their kv head
+    scores += [(per_kv * kd[:, :, None]).sum(-1).reshape(b, h, t, 1) * scale for kd in dk]
+    w = torch.softmax(torch.cat(scores, dim=-1).float(), dim=-1).to(q.dtype)
+    s = k.shape[2]
+    out = w[..., :s] @ v
+    for j, vd in enumerate(dv):
+        wj = w[..., s + j : s + j + 1].view(b, kv, h // kv, t, 1)
+        out = out + (wj * vd[:, :, None]).reshape(b, h, t, d)
+    return out
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: DrafterConfig):
+        super().__init__()
+        h, d = cfg.hidden_size, cfg.head_dim
+        self.heads, self.kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
+        self.head_dim = d
+        inv_freq, self.rope_factor = rope_frequencies(d, cfg.rope_theta, cfg.rope_scaling)
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+        self.q_proj = nn.Linear(2 * h, self.heads * d, bias=False)
+        self.k_proj = nn.Linear(2 * h, self.kv_heads * d, bias=False)
+        self.v_proj = nn.Linear(2 * h, self.kv_heads * d, bias=False)
+        self.o_proj = nn.Linear(self.heads * d, h, bias=False)
+
+    def forward(
+        self, x: Tensor, pos: Tensor, cache: KVCache, diagonal: list | None = None
+    ) -> Tensor:
+        b, t, _ = x.shape
+        q = self.q_proj(x).view(b, t, self.heads, self.head_dim).transpose(1, 2)
+        k = self.k_proj(x).view(b, t, self.kv_heads, self.head_dim).transpose(1, 2)
+        v = self.v_proj(x).view(b, t, self.kv_heads, self.head_dim).transpose(1, 2)
+        q = rope(q, pos, self.inv_freq, self.rope_factor)
+        k = rope(k, pos, self.inv_freq, self.rope_factor)
+        if diagonal is None:  # decoding, or the first training step: causal over the cache
+            past = len(cache)
+            keys, values = cache.add(k, v)
+        else:  # a later training step: step-0 keys causally, then this position's own chain
+            past = 0
+            diagonal.append((k, v))
+            keys, values = cache.k, cache.v
+        out = attend(q, keys, values, past, diagonal or [])
+        return self.o_proj(out.transpose(1, 2).reshape(b, t, -1))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: DrafterConfig):
+        super().__init__()
+        h, i = cfg.hidden_size, cfg.intermediate_size
+        self.gate_proj = nn.Linear(h, i, bias=False)
+        self.up_proj = nn.Linear(h, i, bias=False)
+        self.down_proj = nn.Linear(i, h, bias=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: DrafterConfig):
+        super().__init__()
+        h, eps = cfg.hidden_size, cfg.rms_norm_eps
+        self.input_layernorm = RMSNorm(h, eps)  # norms the token embedding
+        self.hidden_norm = RMSNorm(h, eps)  # norms the incoming hidden state
+        self.self_attn = Attention(cfg)
+        self.post_attention_layernorm = RMSNorm(h, eps)
+        self.mlp = MLP(cfg)
+
+    def forward(
+        self, emb: Tensor, hidden: Tensor, pos: Tensor, cache: KVCache, diagonal=None
+    ) -> Tensor:
+        x = torch.cat([self.input_layernorm(emb), self.hidden_norm(hidden)], dim=-1)
+        h = hidden + self.self_attn(x, pos, cache, diagonal)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class Drafter(nn.Module):
+    def __init__(self, cfg: DrafterConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size).requires_grad_(False)
+        n_aux = len(cfg.aux_layer_ids)
+        self.fc = nn.Linear(n_aux * cfg.target_hidden_size, cfg.hidden_size, bias=False)
+        self.midlayer = DecoderLayer(cfg)
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.draft_vocab_size, bias=False)
+        self.register_buffer("d2t", torch.zeros(cfg.draft_vocab_size, dtype=torch.long))
+        self.register_buffer("t2d", torch.zeros(cfg.vocab_size, dtype=torch.bool))
+        for m in (self.fc, self.lm_head, *self.midlayer.modules()):
+            if isinstance(m, nn.Linear):
+                nn.init.normal_(m.weight, std=0.02)
+
+    def features(self, aux: Tensor) -> Tensor:
+        """Fuse the target's states [B, T, K, Ht] (K aux layers) into a hidden state [B, T, H]."""
+        return self.fc(aux.flatten(-2))
+
+    def step(self, hidden: Tensor, ids: Tensor, pos: Tensor, cache: KVCache) -> Tensor:
+        """One decoding step over new positions: hidden [B, T, H], next-token ids [B, T]."""
+        return self.midlayer(self.embed_tokens(ids), hidden, pos, cache)
+
+    def logits(self, hidden: Tensor) -> Tensor:
+        return self.lm_head(self.norm(hidden))
+
+    def to_target(self, draft_ids: Tensor) -> Tensor:
+        return draft_ids + self.d2t[draft_ids]
+
+    def forward(
+        self,
+        aux: Tensor,
+        input_ids: Tensor,
+        steps: int,
+        masks: list[Tensor] | None = None,
+        head: bool = True,
+    ) -> list[Tensor]:
+        """Training-time test: `steps` chained drafting steps at every position; logits per step
+        (at the positions of masks[k] [B, T] only, [N_k, Vd], when masks are given), or with
+        head=False the states before the final norm (for a loss that applies `logits` itself,
+        in chunks).
+
+        Step k at position t reads token t+k+1 (teacher-forced) and the step k-1 output at t,
+        sits at position t+k, and attends to the step-0 keys of positions <= t plus its own
+        chain (steps 1..k at t): exactly what chain decoding from position t sees. Its logits
+        predict token t+k+2. Tokens past the end read id 0 (the caller masks them).
+
+        Under autograd, a batch of more than RECOMPUTE positions keeps only each step's output
+        and keys and values, and recomputes the step's layer in backward (checkpointing).
+        """
+        b, t = input_ids.shape
+        recompute = torch.is_grad_enabled() and b * t > RECOMPUTE
+        hidden, keys, out = self.features(aux), [], []
+        for k in range(steps):
+            args = (hidden, input_ids, k, *keys)
+            if recompute:
+                hidden, *kv = checkpoint(self.ttt_step, *args, use_reentrant=False)
+            else:
+                hidden, *kv = self.ttt_step(*args)
+            keys += kv
+            state = hidden if masks is None else hidden[masks[k]]
+            out.append(self.logits(state) if head else state)
+        return out
+
+    def ttt_step(self, hidden: Tensor, input_ids: Tensor, k: int, *keys: Tensor) -> tuple:
+        """TTT step k from step k-1's output and the keys and values of steps 0..k-1 (k0, v0,
+        k1, v1, ...): (its output, its keys, its values). Pure, so that backward can rerun it."""
+        t = input_ids.shape[1]
+        ids = F.pad(input_ids[:, k + 1 :], (0, min(k + 1, t)))
+        pos = torch.arange(t, device=input_ids.device) + k
+        cache, diagonal = KVCache(), None
+        if k:  # the step-0 keys causally, then this position's own chain
+            cache.k, cache.v = keys[0], keys[1]
+            diagonal = [(keys[i], keys[i + 1]) for i in range(2, len(keys), 2)]
+        hidden = self.midlayer(self.embed_tokens(ids), hidden, pos, cache, diagonal)
+        return hidden, *(diagonal[-1] if k else (cache.k, cache.v))

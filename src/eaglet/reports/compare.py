@@ -1,0 +1,203 @@
+"""`eaglet compare REV_A REV_B`: two pipeline versions side by side, per dataset and drafter.
+
+Each revision (a git revision, or `workspace`) is exported and asked for its own keys with its
+own code (`eaglet keys --json`), so a code change shows up exactly where it moves a key. Numbers
+come from the sidecars of those keys found in this workspace; `dvc params diff` and
+`dvc metrics diff` add the ledger's view when the repository uses DVC.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tarfile
+import tempfile
+from io import BytesIO
+from pathlib import Path
+
+from eaglet.errors import EagletError
+from eaglet.formats.io import read_json
+
+WORKSPACE = "workspace"
+# (stage, stat, label) rows shown under the keys of each dataset or drafter.
+NUMBERS = [
+    ("prompts", "kept", "prompts"),
+    ("responses", "responses", "responses"),
+    ("responses", "completion_tokens", "completion tokens"),
+    ("responses", "cost", "cost (USD)"),
+    ("hidden", "bytes", "hidden-state bytes"),
+    ("evaluate", "acceptance_length", "acceptance length"),  # the engine's where it measured
+    ("evaluate", "acceptance_length_by", "acceptance length measured by"),
+]
+
+
+def _git(repo: Path, *args: str) -> bytes:
+    r = subprocess.run(["git", "-C", str(repo), *args], capture_output=True)
+    if r.returncode != 0:
+        raise EagletError(f"git {' '.join(args)}: {r.stderr.decode().strip().splitlines()[-1]}")
+    return r.stdout
+
+
+def _export(repo: Path, rev: str, into: Path) -> Path:
+    """The tree of `rev` (tracked files only), extracted under `into`."""
+    if rev == WORKSPACE:
+        return repo
+    _git(repo, "rev-parse", "--verify", f"{rev}^{{commit}}")
+    with tarfile.open(fileobj=BytesIO(_git(repo, "archive", "--format=tar", rev))) as tar:
+        tar.extractall(into, filter="data")
+    return into
+
+
+def keys_at(repo: Path, rev: str, params_rel: str) -> dict[tuple[str, str], dict]:
+    """{(stage, name): provenance and relative path} as `rev`'s own code computes them."""
+    with tempfile.TemporaryDirectory(prefix="eaglet-compare-") as tmp:
+        tree = _export(repo, rev, Path(tmp))
+        env = {**os.environ, "PYTHONPATH": str(tree / "src")}
+        r = subprocess.run(
+            [sys.executable, "-m", "eaglet", "keys", "--json", "--params", str(tree / params_rel)],
+            capture_output=True,
+            text=True,
+            env=env,
+            cwd=tree,
+        )
+    if r.returncode != 0:
+        last = (r.stderr.strip().splitlines() or ["no output"])[-1]
+        raise EagletError(f"{rev}: cannot compute keys: {last}")
+    return {(row["stage"], row["name"]): row for row in json.loads(r.stdout)}
+
+
+def _flat(d: object, prefix: str = "") -> dict[str, object]:
+    if not isinstance(d, dict):
+        return {prefix: d}
+    out: dict[str, object] = {}
+    for k, v in d.items():
+        out.update(_flat(v, f"{prefix}.{k}" if prefix else str(k)))
+    return out
+
+
+def _changed(a: dict | None, b: dict | None) -> list[str]:
+    fa, fb = _flat((a or {}).get("params", {})), _flat((b or {}).get("params", {}))
+    changes = [
+        f"{k}: {fa.get(k)} -> {fb.get(k)}" for k in sorted(fa | fb) if fa.get(k) != fb.get(k)
+    ]
+    if a and b and a["code_key"] != b["code_key"]:
+        changes.append(f"code: {a['code_key']} -> {b['code_key']}")
+        la, lb = a.get("code_layout", 1), b.get("code_layout", 1)
+        if la != lb:
+            changes.append(f"code layout {la} -> {lb}: modules moved")
+    return changes
+
+
+def _stats(root: Path, row: dict | None) -> dict:
+    if row is None:
+        return {}
+    sidecar = root / row["sidecar"]
+    return read_json(sidecar).get("stats", {}) if sidecar.exists() else {}
+
+
+def compare(repo: Path, rev_a: str, rev_b: str, params_rel: str = "params.yaml") -> list[dict]:
+    """One table per dataset and drafter: keys, what changed, and the numbers of each side."""
+    ka, kb = keys_at(repo, rev_a, params_rel), keys_at(repo, rev_b, params_rel)
+    root = repo / Path(params_rel).parent  # artifacts of both sides are looked up here
+    subjects = sorted({(r["kind"], r["name"]) for r in [*ka.values(), *kb.values()]})
+    tables = []
+    for kind, name in subjects:
+        rows = []
+        stages = sorted({s for (s, n) in ka | kb if n == name}, key=_stage_order(ka | kb))
+        for stage in stages:
+            a, b = ka.get((stage, name)), kb.get((stage, name))
+            key_a, key_b = (a or {}).get("key", "-"), (b or {}).get("key", "-")
+            rows.append(
+                {
+                    "row": f"{stage} key",
+                    "a": key_a,
+                    "b": key_b,
+                    "note": "rebuild" if key_a != key_b else "",
+                    "changed": _changed(a, b),
+                }
+            )
+        for stage, stat, label in NUMBERS:
+            a, b = ka.get((stage, name)), kb.get((stage, name))
+            if a is None and b is None:
+                continue
+            va, vb = _stats(root, a).get(stat), _stats(root, b).get(stat)
+            if va is None and vb is None:
+                continue
+            rows.append({"row": label, "a": va, "b": vb, "note": "", "changed": []})
+        ea, eb = (_stats(root, k.get(("evaluate", name))) for k in (ka, kb))
+        rows += _suite_rows(ea.get("suites") or {}, eb.get("suites") or {})
+        tables.append({"kind": kind, "name": name, "rows": rows})
+    return tables
+
+
+def _suite_label(flat_key: str) -> str:
+    """natural.vllm_temperature_0.7.num_steps_3 -> natural: vLLM t=0.7, 3 steps."""
+    suite, _, rest = flat_key.partition(".")
+    what, _, steps = rest.rpartition(".num_steps_")
+    if not what:
+        return f"{suite}: {rest}"
+    who, _, t = what.partition("_temperature_")
+    return f"{suite}: {'vLLM' if who == 'vllm' else who} t={t}, {steps} steps"
+
+
+def _suite_rows(a: dict, b: dict) -> list[dict]:
+    """Acceptance length per suite, temperature and num_steps of each side, suite by suite."""
+    fa, fb = _flat(a), _flat(b)
+    rows = []
+    for k in dict.fromkeys([*fa, *fb]):
+        if ".greedy_equal." in k:
+            continue
+        rows.append({"row": _suite_label(k), "a": fa.get(k), "b": fb.get(k), "note": ""})
+        rows[-1]["changed"] = []
+    return rows
+
+
+def _stage_order(rows: dict) -> object:
+    order = list(dict.fromkeys(s for (s, _) in rows))
+    return order.index
+
+
+def _cell(v: object) -> str:
+    if v is None:
+        return "not built"
+    if isinstance(v, float):
+        return f"{v:.4g}"
+    return str(v)
+
+
+def render(tables: list[dict], rev_a: str, rev_b: str, md: bool = False) -> str:
+    out = []
+    for t in tables:
+        header = ["", rev_a, rev_b, "", "what changed"]
+        body = [
+            [r["row"], _cell(r["a"]), _cell(r["b"]), r["note"], "; ".join(r["changed"])]
+            for r in t["rows"]
+        ]
+        out.append(f"## {t['kind']} {t['name']}" if md else f"{t['kind']} {t['name']}")
+        if md:
+            out.append("| " + " | ".join(header) + " |")
+            out.append("|" + "---|" * len(header))
+            out.extend("| " + " | ".join(c.replace("|", "\\|") for c in row) + " |" for row in body)
+        else:
+            widths = [max(len(r[i]) for r in [header, *body]) for i in range(len(header))]
+            for row in [header, *body]:
+                out.append("  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip())
+        out.append("")
+    return "\n".join(out)
+
+
+def dvc_diffs(repo: Path, rev_a: str, rev_b: str, md: bool) -> str:
+    """`dvc params diff` and `dvc metrics diff` between the revisions, if this is a DVC repo."""
+    if not (repo / ".dvc").is_dir():
+        return ""
+    revs = [rev_a] if rev_b == WORKSPACE else [rev_a, rev_b]
+    parts = []
+    for what in ("params", "metrics"):
+        cmd = [sys.executable, "-m", "dvc", what, "diff", *revs, *(["--md"] if md else [])]
+        r = subprocess.run(cmd, capture_output=True, text=True, cwd=repo)
+        lines = r.stdout.strip().splitlines()
+        if r.returncode == 0 and len(lines) > (2 if md else 0):  # --md: a header with no rows
+            parts.append(f"dvc {what} diff:\n{r.stdout.rstrip()}\n")
+    return "\n".join(parts)

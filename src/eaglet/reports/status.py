@@ -1,0 +1,181 @@
+"""`eaglet status`: every artifact's current key and state, and how each generation stands.
+
+An artifact is `up to date` when it exists at its current key, `stale` when only files of
+older keys exist (built from older params or code), else `missing`. Generation progress is read
+from the response store, so it is live while `eaglet generate` runs in another process.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+
+from eaglet.formats.io import read_json
+from eaglet.formats.store import Store, store_path
+from eaglet.graph.keys import STAGES, Keys
+from eaglet.params import Params
+
+RUN_FRESH_S = 60.0  # a heartbeat older than this is not a run in progress
+
+
+def _state(path, stage) -> str:
+    if path.exists():
+        return "up to date"
+    ext = STAGES[stage].ext
+    others = [p for p in path.parent.glob(f"*{ext}") if not p.name.startswith(".")]
+    return "stale" if others else "missing"
+
+
+def generation(params: Params, dataset: str, keys: Keys, store: Store | None) -> dict | None:
+    """Prompts, answers done and failed, tokens, cost, % of target and the run in progress."""
+    from eaglet.stages.generate import job, scan
+
+    if not keys.path("prompts", dataset).exists():
+        return None
+    j = job(params, dataset, keys)
+    if store is None:
+        s = {"prompts": j.count(), "ok": 0, "failed": 0, "tokens": 0, "cost": 0.0}
+    else:
+        s = scan(j, store)
+    if j.token_budget is not None:
+        target = {"by": "token_budget", "of": j.token_budget, "have": s["tokens"]}
+    else:
+        target = {"by": "samples", "of": s["prompts"], "have": s["ok"]}
+    target["pct"] = (
+        round(min(100.0, 100.0 * target["have"] / target["of"]), 1) if target["of"] else 100.0
+    )
+    run = store.run(dataset, j.response_key) if store is not None else None
+    if run is not None and run["alive"] and time.time() - run["updated"] > RUN_FRESH_S:
+        run["state"] = "stalled"
+    return {
+        "prompts": s["prompts"],
+        "done": s["ok"],
+        "failed": s["failed"],
+        "tokens": s["tokens"],
+        "cost": s["cost"],
+        "target": target,
+        "run": run,
+    }
+
+
+def _row(params: Params, keys: Keys, store, kind: str, name: str, stage: str) -> dict:
+    path = keys.path(stage, name)
+    sidecar = keys.sidecar(stage, name)
+    row = {
+        "stage": stage,
+        kind: name,
+        "key": keys.key(stage, name),
+        "path": os.path.relpath(path),
+        "state": _state(path, stage),
+    }
+    if path.exists() and sidecar.exists():
+        row["stats"] = read_json(sidecar).get("stats", {})
+    if stage == "responses":
+        row["generation"] = generation(params, name, keys, store)
+    if stage == "hidden" and path.is_dir():
+        row["disk_bytes"] = sum(p.stat().st_size for p in path.iterdir() if p.is_file())
+    return row
+
+
+def collect(params: Params) -> list[dict]:
+    """One row per (stage, dataset): key, path, state, the stats of its sidecar, progress."""
+    keys = Keys(params)
+    path = store_path(params.root)
+    store = Store(path) if path.exists() else None
+    rows = []
+    try:
+        for kind, names in (("dataset", params.datasets), ("drafter", params.drafters)):
+            for name in names:
+                for stage in (s.name for s in STAGES.values() if s.kind == kind):
+                    rows.append(_row(params, keys, store, kind, name, stage))
+    finally:
+        if store is not None:
+            store.close()
+    return rows
+
+
+def _duration(seconds: float | None) -> str:
+    if seconds is None:
+        return "?"
+    s = int(seconds)
+    return f"{s // 3600}h{s % 3600 // 60:02d}m" if s >= 3600 else f"{s // 60}m{s % 60:02d}s"
+
+
+def _summary(row: dict) -> str:
+    st = row.get("stats", {})
+    if row["stage"] == "prompts" and st:
+        return f"{st['kept']} prompts ({st['bad_rows']} bad rows, {st['duplicates']} duplicates)"
+    g = row.get("generation")
+    if row["stage"] == "responses" and g:
+        t = g["target"]
+        text = f"{g['done']}/{g['prompts']} answered, {g['tokens']:,} tok ({t['pct']:.0f}% of "
+        text += "token budget)" if t["by"] == "token_budget" else "prompts)"
+        if g["failed"]:
+            text += f", {g['failed']} failed"
+        if g["cost"]:
+            text += f", ${g['cost']:.4f}"
+        run = g["run"]
+        if run and run["state"] in ("running", "stalled"):
+            text += (
+                f"; {run['state']}: {run['done']}/{run['total']}, {run['rate']:.2f} req/s, "
+                f"ETA {_duration(run['eta_s'])}"
+            )
+        return text
+    if row["stage"] == "hidden" and st:
+        per_token = row["disk_bytes"] / st["tokens"]
+        return (
+            f"{st['samples']} seqs, {st['tokens']} tok, {per_token:.0f} B/tok on disk "
+            f"= {st['state_bytes_per_token']} x {per_token / st['state_bytes_per_token']:.3f}"
+        )
+    if row["stage"] == "vocab" and st:
+        return f"{st['draft_vocab_size']} ids, {100 * st['coverage']:.1f}% of assistant tokens"
+    if row["stage"] == "train" and st:
+        acc = (st.get("heldout") or {}).get("acc") or [float("nan")]
+        shares = ", ".join(
+            f"{name} {s['share']:.2f}"
+            for name, s in (st.get("supervised_share") or {}).items()
+            if s["share"] is not None
+        )
+        text = f"{st['steps']} steps, loss {st['final_loss']:.3f}, held-out acc@0 {acc[0]:.2f}"
+        return text + (f", supervised {shares}" if shares else "")
+    if row["stage"] == "evaluate" and st:
+        return _acceptance(st)
+    return ""
+
+
+def _values(runs: dict) -> str:
+    return "/".join(f"{v:.2f}" if v is not None else "?" for v in runs.values())
+
+
+def _acceptance(st: dict) -> str:
+    """Acceptance length per suite and temperature: the engine's, and eaglet's own."""
+    suites = st["suites"].values()
+    engine = any(k.startswith("vllm_") for s in suites for k in s)
+    parts = []
+    for name, s in st["suites"].items():
+        who = "vllm_" if engine else "eaglet_"
+        temps = [k for k in s if k.startswith(f"{who}temperature_")]
+        shown = ", ".join(
+            f"t={k.removeprefix(f'{who}temperature_')} {_values(s[k])}" for k in temps
+        )
+        if engine and "eaglet_temperature_0" in s:
+            shown += f" (eaglet t=0 {_values(s['eaglet_temperature_0'])})"
+        if not all(s["greedy_equal"].values()):
+            shown += " NOT greedy-equal"
+        parts.append(f"{name} {shown}")
+    return f"{'vLLM ' if engine else ''}acceptance length: " + "; ".join(parts)
+
+
+def show(params: Params, as_json: bool = False) -> None:
+    rows = collect(params)
+    if as_json:
+        print(json.dumps(rows, indent=2))
+        return
+    width = max(len(r.get("dataset") or r["drafter"]) for r in rows)
+    for r in rows:
+        name = r.get("dataset") or r["drafter"]
+        print(
+            f"{name:<{width}}  {r['stage']:<9}  {r['key']}  {r['state']:<10}  "
+            f"{_summary(r):<58}  {r['path']}"
+        )

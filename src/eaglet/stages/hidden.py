@@ -1,0 +1,342 @@
+"""The hidden-states stage: the target re-reads every prompt + response; its features are stored.
+
+Per response the sequence is the target's chat template over the prompt messages plus the
+assistant turn. With the record's `output_ids` (what the target generated, stop token included)
+it is exactly prompt ids + output ids; without them (API backends) the turn is derived from the
+template itself (`chat.assistant_turn`). The loss mask is True on the turn's tokens only. Each
+sequence is cut at the dataset's `max_length` (default `target.max_length`).
+
+The target is run once per sequence (batched by length) and the outputs of the aux layers
+(SGLang ids, default [1, N//2-1, N-4]) and the final post-norm state are stored in shards
+(`eaglet.formats.hidden_store`), built in a partial directory that survives kills and resumes
+shard by shard. Layer conventions: SGLang id i = output of decoder layer i = vLLM id i+1 =
+index i+1 of transformers' `output_hidden_states`, whose last entry (N) is the post-norm state.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+from eaglet.device import resolve_dtype
+from eaglet.engines.lookup import hidden_states
+from eaglet.errors import EagletError
+from eaglet.formats.chat import assistant_turn, prompt_ids, stop_ids
+from eaglet.formats.hidden_store import FORMAT, PartialDir, Storage
+from eaglet.formats.io import dumps, read_jsonl, write_json
+from eaglet.graph.keys import Keys, sglang_layer_ids, sidecar_of
+from eaglet.model.target import TargetSpec, load_config, load_tokenizer, spec_of
+from eaglet.params import Params
+from eaglet.progress import Progress
+
+# How each backend gets the final state: the engines give the last layer's output, and eaglet
+# applies the target's final RMSNorm (vLLM); SGLang and the hook read it after the norm.
+LAST_STATE = {
+    "transformers": "hooked after the final norm",
+    "sglang": "returned by the server after the final norm",
+    "vllm": "last layer output from the engine, final norm applied by eaglet",
+}
+VOLATILE_CONFIG_KEYS = ("transformers_version", "_name_or_path", "_model_name_or_path", "dtype")
+
+
+def default_layer_ids(n_layers: int) -> list[int]:
+    """SGLang's default EAGLE-3 aux layers: outputs of layers 1, N//2-1 and N-4 (0-based)."""
+    return [1, n_layers // 2 - 1, n_layers - 4]
+
+
+def layer_ids(params: Params, n_layers: int) -> list[int]:
+    """The aux layers in SGLang's convention, checked against the target's layer count."""
+    h = params.data["hidden"]
+    ids = sglang_layer_ids(h) or default_layer_ids(n_layers)
+    bad = [i for i in ids if not 0 <= i < n_layers]
+    if bad:
+        shift = 1 if h["aux_layer_convention"] == "vllm" else 0
+        raise EagletError(
+            f"{params.path}: hidden.aux_layer_ids: {[i + shift for i in bad]} out of range for "
+            f"a target of {n_layers} layers ({h['aux_layer_convention']} ids: "
+            f"{shift} .. {n_layers - 1 + shift})"
+        )
+    return list(ids)
+
+
+class Target:
+    """The target's tokenizer, text config and identity (weights are loaded by the backend)."""
+
+    def __init__(self, params: Params, keys: Keys, dataset: str):
+        self.spec: TargetSpec = spec_of(params)
+        self.tokenizer = load_tokenizer(self.spec)
+        self.config = load_config(self.spec)
+        self.stop = stop_ids(self.tokenizer, self.config)
+        self.max_length = params.max_length(dataset)
+        cfg = {k: v for k, v in self.config.to_dict().items() if k not in VOLATILE_CONFIG_KEYS}
+        self.identity = {
+            **keys.target_identity(),
+            "config_sha256": hashlib.sha256(dumps(cfg).encode()).hexdigest(),
+            "num_hidden_layers": self.config.num_hidden_layers,
+            "hidden_size": self.config.hidden_size,
+            "vocab_size": self.config.vocab_size,
+        }
+
+
+def sequence(rec: dict, target: Target) -> tuple[dict | None, dict]:
+    """Token ids and loss mask of one response record, or None and why it was skipped."""
+    info: dict[str, Any] = {"source": "output_ids" if rec.get("output_ids") is not None else ""}
+    if info["source"]:
+        prompt = prompt_ids(target.tokenizer, rec["messages"], rec.get("tools"))
+        turn = list(rec["output_ids"])
+    else:
+        info["source"] = "template"
+        prompt, turn, rendered = assistant_turn(
+            target.tokenizer,
+            rec["messages"],
+            rec["response"] or "",
+            rec.get("reasoning"),
+            target.stop,
+            finished=rec.get("finish_reason") != "length",
+            tools=rec.get("tools"),
+            tool_calls=rec.get("tool_calls"),
+        )
+        info["reasoning_not_rendered"] = bool(rec.get("reasoning")) and not rendered
+    if not turn:
+        return None, {**info, "skipped": "empty_response"}
+    ids = prompt + turn
+    mask = [False] * len(prompt) + [True] * len(turn)
+    info["truncated_tokens"] = max(0, len(ids) - target.max_length)
+    ids, mask = ids[: target.max_length], mask[: target.max_length]
+    if not any(mask):
+        return None, {**info, "skipped": "no_loss_tokens"}
+    sample = {
+        "id": rec["id"],
+        "response_sha256": hashlib.sha256(dumps(rec).encode()).hexdigest(),
+        "input_ids": ids,
+        "loss_mask": mask,
+        "prompt_tokens": len(prompt),
+    }
+    return sample, info
+
+
+def sequences(records: list[dict], target: Target, source: Path) -> tuple[list[dict], dict]:
+    """Samples of every usable record (record order) and counts of what happened to the rest."""
+    samples, counts, seen = [], Counter(), set()
+    for rec in records:
+        if rec.get("id") in seen:
+            raise EagletError(f"{source}: response {rec['id']} appears twice")
+        seen.add(rec.get("id"))
+        try:
+            sample, info = sequence(rec, target)
+        except KeyError as e:
+            raise EagletError(f"{source}: response {rec.get('id')}: missing field {e}") from None
+        except EagletError as e:
+            raise EagletError(f"{source}: response {rec.get('id')}: {e}") from None
+        counts[f"from_{info['source']}"] += 1
+        counts["reasoning_not_rendered"] += info.get("reasoning_not_rendered", False)
+        if sample is None:
+            counts[f"skipped_{info['skipped']}"] += 1
+            continue
+        counts["truncated"] += info["truncated_tokens"] > 0
+        counts["truncated_tokens"] += info["truncated_tokens"]
+        counts["unfinished"] += rec.get("finish_reason") == "length"
+        samples.append(sample)
+    stats = {
+        "records": len(records),
+        "samples": len(samples),
+        "tokens": sum(len(s["input_ids"]) for s in samples),
+        "loss_tokens": sum(sum(s["loss_mask"]) for s in samples),
+        **{k: counts[k] for k in sorted(counts)},
+    }
+    return samples, stats
+
+
+def plan_shards(samples: list[dict], token_bytes: int, shard_bytes: float) -> list[list[int]]:
+    """Consecutive runs of samples of about `shard_bytes` (uncompressed) each."""
+    shards: list[list[int]] = [[]]
+    size = 0
+    for i, s in enumerate(samples):
+        n = len(s["input_ids"]) * token_bytes
+        if shards[-1] and size + n > shard_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append(i)
+        size += n
+    return [s for s in shards if s]
+
+
+def length_batches(lengths: list[int], batch_tokens: int) -> list[list[int]]:
+    """Indices grouped by length so that count x longest <= batch_tokens (at least one each)."""
+    order = sorted(range(len(lengths)), key=lambda i: lengths[i])
+    batches: list[list[int]] = []
+    for i in order:
+        if batches and (len(batches[-1]) + 1) * lengths[i] <= batch_tokens:
+            batches[-1].append(i)
+        else:
+            batches.append([i])
+    return batches
+
+
+def run_samples(backend, samples: list[dict], batch_tokens: int) -> list[dict]:
+    """The samples with their `aux` and `last` states filled in (same order)."""
+    groups = length_batches([len(s["input_ids"]) for s in samples], batch_tokens)
+    results = backend.run([[samples[i]["input_ids"] for i in g] for g in groups])
+    out: list[dict | None] = [None] * len(samples)
+    for group, states in zip(groups, results, strict=True):
+        for i, (aux, last) in zip(group, states, strict=True):
+            out[i] = {**samples[i], "aux": aux, "last": last}
+    return out  # type: ignore[return-value]
+
+
+def _storage(params: Params) -> Storage:
+    h = params.data["hidden"]
+    return Storage(h["dtype"], h["compress"], h["fp8"])
+
+
+def _responses(keys: Keys, dataset: str) -> tuple[Path, list[dict]]:
+    path = keys.path("responses", dataset)
+    if not path.exists():
+        raise EagletError(f"hidden {dataset}: responses not built yet: {path}")
+    return path, list(read_jsonl(path))
+
+
+def build(
+    params: Params,
+    dataset: str,
+    out: Path | None = None,
+    threads: int | None = None,
+    quiet: bool = False,
+) -> Path:
+    """Write the dataset's hidden-states directory and its sidecar; return the directory."""
+    t0 = time.monotonic()
+    keys = Keys(params)
+    prov = keys.provenance("hidden", dataset)
+    out = Path(out) if out else keys.path("hidden", dataset)
+    h = params.data["hidden"]
+    t_load = time.monotonic()
+    target = Target(params, keys, dataset)  # first: a target eaglet cannot read stops here
+    load_s = time.monotonic() - t_load
+    source, records = _responses(keys, dataset)
+    ids = layer_ids(params, target.config.num_hidden_layers)
+    samples, stats = sequences(records, target, source)
+    if not samples:
+        raise EagletError(f"{source}: no response gives a training sequence ({stats})")
+    storage = _storage(params)
+    n_aux, hidden = len(ids), target.config.hidden_size
+    if h["mode"] != "offline":  # online, hybrid: the states come from the engine at training
+        from eaglet.stages.hidden_online import write_manifest_only
+
+        dtype = resolve_dtype(h["compute_dtype"], h["device"])
+        manifest = _manifest(params, dataset, prov, target, ids, storage, dtype, [], stats)
+        manifest["samples"] = [_sample_meta(s, None) for s in samples]
+        write_json(sidecar_of(out), {"provenance": prov, "stats": stats})
+        return write_manifest_only(out, manifest, samples)
+    plan = plan_shards(samples, storage.token_bytes(n_aux, hidden), h["shard_mb"] * 2**20)
+    digest = [prov["key"], storage.to_dict(), ids]
+    digest += [[(samples[i]["id"], samples[i]["response_sha256"]) for i in p] for p in plan]
+    partial = PartialDir(out, hashlib.sha256(dumps(digest).encode()).hexdigest())
+    if partial.done:
+        print(
+            f"hidden {dataset}: resuming: {len(partial.done)} of {len(plan)} shards complete",
+            file=sys.stderr,
+        )
+    t_load = time.monotonic()
+    backend = hidden_states(params, target, ids, threads)
+    load_s += time.monotonic() - t_load  # tokenizer and model: once per run
+    progress = Progress(f"hidden {dataset}", len(samples), quiet=quiet, unit="seq")
+    t_run, forward_s = time.monotonic(), 0.0
+    try:
+        for index, shard in enumerate(plan):
+            part = [samples[i] for i in shard]
+            if index not in partial.done:
+                t = time.monotonic()
+                states = run_samples(backend, part, h["batch_tokens"])
+                forward_s += time.monotonic() - t
+                partial.write_shard(index, states, storage)
+            progress.update(len(part), tokens=sum(len(s["input_ids"]) for s in part))
+    finally:
+        backend.close()
+    progress.close()
+    run_s = time.monotonic() - t_run
+    shards = [partial.done[i] for i in range(len(plan))]
+    for entry in shards:
+        entry.pop("index")
+    stats.update(_disk_stats(shards, stats["tokens"], n_aux, hidden, storage))
+    compute_dtype = str(backend.dtype).removeprefix("torch.")
+    manifest = _manifest(params, dataset, prov, target, ids, storage, compute_dtype, shards, stats)
+    manifest["samples"] = [
+        _sample_meta(samples[i], shards[n]["name"]) for n, shard in enumerate(plan) for i in shard
+    ]
+    timing = {
+        "load_s": round(load_s, 3),
+        "run_s": round(run_s, 3),
+        "forward_s": round(forward_s, 3),
+        "elapsed_s": round(time.monotonic() - t0, 3),
+        "tokens_per_s": round(stats["tokens"] / max(run_s, 1e-9), 1),
+    }
+    write_json(sidecar_of(out), {"provenance": prov, "stats": {**stats, **timing}})
+    return partial.finish(manifest)
+
+
+def _manifest(
+    params: Params,
+    dataset: str,
+    prov: dict,
+    target: Target,
+    ids: list[int],
+    storage: Storage,
+    compute_dtype: str,
+    shards: list[dict],
+    stats: dict,
+) -> dict:
+    """The manifest of a hidden-states directory, but its samples."""
+    h = params.data["hidden"]
+    return {
+        "format": FORMAT,
+        "dataset": dataset,
+        "key": prov["key"],
+        "responses_key": prov["upstream"]["responses"],
+        "backend": h["backend"],
+        **({"mode": h["mode"]} if h["mode"] != "offline" else {}),
+        "target": target.identity,
+        "max_length": target.max_length,
+        "aux_layer_ids": {
+            "sglang": ids,
+            "vllm": [i + 1 for i in ids],
+            "hf_hidden_states_index": [i + 1 for i in ids],
+        },
+        "last": {
+            "what": "final norm output (lm_head input)",
+            "hf_hidden_states_index": -1,
+            "how": LAST_STATE[h["backend"]],
+        },
+        "dtype": storage.dtype,
+        "compute_dtype": compute_dtype,
+        "storage": {**storage.to_dict(), "shard_mb": h["shard_mb"]},
+        "shards": shards,
+        "samples": [],
+        "stats": stats,
+    }
+
+
+def _sample_meta(sample: dict, shard: str | None) -> dict:
+    return {
+        "id": sample["id"],
+        "response_sha256": sample["response_sha256"],
+        "shard": shard,
+        "tokens": len(sample["input_ids"]),
+        "loss_tokens": sum(sample["loss_mask"]),
+        "prompt_tokens": sample["prompt_tokens"],
+    }
+
+
+def _disk_stats(shards: list[dict], tokens: int, n_aux: int, hidden: int, storage: Storage):
+    size = sum(s["bytes"] for s in shards)
+    state = (n_aux + 1) * hidden * storage.itemsize
+    return {
+        "shards": len(shards),
+        "bytes": size,
+        "bytes_per_token": round(size / tokens, 2),
+        "state_bytes_per_token": state,  # (K+1)·H·itemsize, before compression
+        "compression_ratio": round(size / tokens / state, 4),
+    }

@@ -1,0 +1,111 @@
+"""`eaglet hidden --verify`: re-run the target on a sample of records and compare with the
+stored states. A check of an artifact, not part of making it: no code key covers this module."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import torch
+
+from eaglet.engines.lookup import hidden_states
+from eaglet.errors import EagletError
+from eaglet.formats.hidden_store import HiddenReader, decode, encode
+from eaglet.graph.keys import Keys
+from eaglet.params import Params
+from eaglet.stages.hidden import Target, _responses, run_samples, sequence
+
+# Largest per-token relative error (L2 over a row) that --verify accepts: the storage's own
+# rounding, or the noise of recomputing a sequence alone instead of in a batch, whichever is
+# larger. Measured on SmolLM2: bf16 compute, batched vs alone, up to 0.026 (fp32: ~1e-6); an
+# off-by-one aux layer is >= 0.42 away, a pre- vs post-norm confusion further.
+VERIFY_TOLERANCE = {"float32": 1e-3, "bfloat16": 2e-2, "fp8": 0.1}
+COMPUTE_NOISE = {"float32": 0.0, "bfloat16": 0.1, "float16": 0.1}
+
+
+def _relative_error(stored: torch.Tensor, fresh: torch.Tensor) -> float:
+    """Largest over rows of ||stored - fresh|| / ||fresh|| (rows = tokens, and layers for aux)."""
+    a, b = stored.float().flatten(0, -2), fresh.float().flatten(0, -2)
+    err = (a - b).norm(dim=-1) / b.norm(dim=-1).clamp_min(1e-12)
+    return float(err.nan_to_num(float("inf")).max())
+
+
+def verify(
+    params: Params,
+    dataset: str,
+    path: Path | None = None,
+    samples: int | None = None,
+    threads: int | None = None,
+) -> dict:
+    """Re-run the target on a sample of records and compare with the stored states.
+
+    Also checks every shard's SHA-256 and that the tokens and masks follow from the responses.
+    Raises EagletError naming what differs; returns a report otherwise.
+    """
+    keys = Keys(params)
+    path = Path(path) if path else keys.path("hidden", dataset)
+    reader = HiddenReader(path)
+    m = reader.manifest
+    problems = reader.check_shards()
+    source, records = _responses(keys, dataset)
+    if m["responses_key"] != keys.key("responses", dataset):
+        problems.append(f"made from responses {m['responses_key']}, current are {source.name}")
+    by_id = {r["id"]: r for r in records}
+    meta = {s["id"]: s for s in m["samples"]}
+    target = Target(params, keys, dataset)
+    n = samples or params.data["hidden"]["verify_samples"]
+    picked = sorted(random.Random(0).sample(reader.ids, min(n, len(reader))))
+    fresh = []
+    for sid in picked:
+        rec = by_id.get(sid)
+        sample = sequence(rec, target)[0] if rec else None
+        if sample is None:
+            problems.append(f"sample {sid}: no usable response with this id")
+        else:
+            fresh.append(sample)
+    ids = m["aux_layer_ids"]["sglang"]
+    backend = hidden_states(params, target, ids, threads)
+    try:
+        fresh = run_samples(backend, fresh, batch_tokens=1)  # each alone: no batch effects
+    finally:
+        backend.close()
+    storage = reader.storage
+    tolerance = max(
+        VERIFY_TOLERANCE["fp8" if storage.fp8 else storage.dtype],
+        COMPUTE_NOISE.get(m["compute_dtype"], 0.1),
+    )
+    worst = 0.0
+    for f in fresh:
+        sid = f["id"]
+        try:
+            stored = reader.get(sid)
+        except EagletError as e:
+            problems.append(str(e))
+            continue
+        if meta[sid]["response_sha256"] != f["response_sha256"]:
+            problems.append(f"sample {sid}: response changed since the states were made")
+        if stored["input_ids"].tolist() != f["input_ids"]:
+            problems.append(f"sample {sid}: input_ids differ from the response's tokens")
+            continue
+        if stored["loss_mask"].tolist() != f["loss_mask"]:
+            problems.append(f"sample {sid}: loss_mask differs from the response's turn")
+        T = len(f["input_ids"])
+        enc = encode(f, storage)
+        expect = decode(enc.__getitem__, T, len(ids), reader.hidden_size, storage)
+        for name in ("aux", "last"):
+            err = _relative_error(stored[name], expect[name])
+            worst = max(worst, err)
+            if not err <= tolerance:
+                problems.append(f"sample {sid}: {name} relative error {err:.3g} > {tolerance}")
+    report = {
+        "path": str(path),
+        "samples_checked": len(fresh),
+        "shards_checked": len(m["shards"]),
+        "max_relative_error": worst,
+        "tolerance": tolerance,
+        "ok": not problems,
+    }
+    if problems:
+        more = f" (+{len(problems) - 3} more)" if len(problems) > 3 else ""
+        raise EagletError(f"{path}: verify failed: {'; '.join(problems[:3])}{more}")
+    return report

@@ -1,0 +1,94 @@
+"""The prompts stage: a raw dataset file in any supported schema -> prompt records.
+
+Rows are adapted to messages, cut before the last assistant turn (the target regenerates it),
+deduplicated by content id, shuffled by a seed, optionally filtered by prompt length in target
+tokens, and capped at `max_samples`. Bad rows are skipped, counted and reported with line numbers.
+"""
+
+from __future__ import annotations
+
+import random
+import sys
+from pathlib import Path
+
+from eaglet.errors import EagletError
+from eaglet.formats.datasets import BadRow, prompt_of, to_messages, tools_of
+from eaglet.formats.io import write_json, write_jsonl_zst
+from eaglet.formats.readers import iter_rows
+from eaglet.formats.records import prompt_record
+from eaglet.graph.keys import Keys, sidecar_of
+from eaglet.params import Params
+
+SHOWN_ERRORS = 5
+
+
+def collect(source: Path, fmt: str, dataset: str) -> tuple[list[dict], dict]:
+    """Read and adapt every row of `source`; return prompt records (file order) and stats."""
+    records, bad = [], []
+    rows = 0
+    for line, row, error in iter_rows(source):
+        rows += 1
+        try:
+            if error is not None:
+                raise BadRow(error)
+            messages = prompt_of(to_messages(row, fmt))
+            tools = tools_of(row)
+        except BadRow as e:
+            bad.append({"line": line, "reason": str(e)})
+            continue
+        records.append(prompt_record(dataset, messages, line, tools))
+    if not records:
+        first = f" (first: line {bad[0]['line']}: {bad[0]['reason']})" if bad else ""
+        raise EagletError(f"{source}: no valid prompt in {rows} rows{first}")
+    return records, {"rows": rows, "bad_rows": len(bad), "bad_examples": bad[:SHOWN_ERRORS]}
+
+
+def select(
+    records: list[dict], seed: int, max_samples: int | None, too_long=None
+) -> tuple[list[dict], dict]:
+    """Dedup by id, shuffle deterministically, drop over-long prompts, cap at max_samples."""
+    unique: dict[str, dict] = {}
+    for rec in records:
+        unique.setdefault(rec["id"], rec)
+    order = sorted(unique)  # independent of file order, so ids alone fix the result
+    random.Random(seed).shuffle(order)
+    kept, dropped_long = [], 0
+    for pid in order:
+        if max_samples is not None and len(kept) >= max_samples:
+            break
+        if too_long is not None and too_long(unique[pid]):
+            dropped_long += 1
+            continue
+        kept.append(unique[pid])
+    stats = {"duplicates": len(records) - len(unique), "too_long": dropped_long, "kept": len(kept)}
+    return kept, stats
+
+
+def build(params: Params, dataset: str, out: Path | None = None) -> Path:
+    """Write the dataset's prompt records and their sidecar; return the artifact path."""
+    keys = Keys(params)
+    prov = keys.provenance("prompts", dataset)
+    out = Path(out) if out else keys.path("prompts", dataset)
+    cfg = params.dataset(dataset)
+    source = params.resolve(cfg["path"])
+    records, stats = collect(source, cfg["format"], dataset)
+    for b in stats["bad_examples"]:
+        print(f"eaglet: {source}:{b['line']}: skipped: {b['reason']}", file=sys.stderr)
+    if stats["bad_rows"] > len(stats["bad_examples"]):
+        print(f"eaglet: {source}: {stats['bad_rows']} bad rows in all", file=sys.stderr)
+    too_long = None
+    limit = prov["params"]["max_prompt_tokens"]
+    if limit:
+        from eaglet.formats.chat import prompt_ids
+        from eaglet.model.target import load_tokenizer, spec_of
+
+        tok = load_tokenizer(spec_of(params))
+
+        def too_long(rec: dict) -> bool:
+            return len(prompt_ids(tok, rec["messages"], rec.get("tools"))) > limit
+
+    kept, more = select(records, prov["params"]["seed"], prov["params"]["max_samples"], too_long)
+    stats.update(more)
+    write_json(sidecar_of(out), {"provenance": prov, "stats": stats})
+    write_jsonl_zst(out, kept)
+    return out

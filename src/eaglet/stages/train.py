@@ -1,0 +1,565 @@
+"""The train stage: EAGLE-3 training-time test (TTT) on stored target hidden states.
+
+The target's next-token distribution p[t] is recomputed on the fly from the stored final state
+through the target's frozen lm_head and restricted to the draft vocab (full logits are never
+stored). The drafter unrolls `ttt_length` chained steps at every position (Drafter.forward):
+step k at position t predicts token t+k+2, so its target is p[t+k+1], and it counts where
+loss_mask[t+k+2] holds (an assistant token) and the target's argmax is in the draft vocab:
+
+    loss = sum_k step_weight**k * sum_valid CE(p, q_k) / N_k      N_k = valid positions, step k
+
+N_k counts the whole optimizer step (every micro-batch of every process), so gradient
+accumulation and DDP give exactly the gradient of one big batch. AdamW, linear warmup then
+cosine decay, gradient clipping, fp32 or bf16 autocast. Every `checkpoint_every` steps the model,
+optimizer, scheduler, data position and RNG states go to a work directory beside the output; a
+rerun resumes there. Under `torchrun` it runs DDP (gloo on CPU, nccl on GPU).
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import math
+import os
+import random
+import shutil
+import sys
+import time
+from contextlib import nullcontext
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from safetensors.torch import save_file
+from torch import Tensor
+from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.utils.checkpoint import checkpoint
+
+from eaglet.device import resolve_dtype
+from eaglet.errors import EagletError
+from eaglet.formats.atomic import atomic_path, write_text
+from eaglet.formats.io import write_json
+from eaglet.graph.keys import Keys, sidecar_of
+from eaglet.model import target_head, train_memory
+from eaglet.model.drafter import Drafter, DrafterConfig
+from eaglet.model.target import load_head, pick_device, spec_of
+from eaglet.model.target_head import TargetHead, shift
+from eaglet.params import Params
+from eaglet.progress import Progress
+from eaglet.stages import drafter_data, vocab
+
+
+def step_masks(loss_mask: Tensor, in_vocab: Tensor, steps: int) -> list[Tensor]:
+    """Where TTT step k is trained: token t+k+2 is an assistant token and the target's argmax
+    for it (at t+k+1) is in the draft vocab."""
+    return [shift(loss_mask, k + 2) & shift(in_vocab, k + 1) for k in range(steps)]
+
+
+def at(x: Tensor, mask: Tensor, n: int) -> Tensor:
+    """x[b, t + n] for every (b, t) where mask holds; mask must be False for t >= T - n."""
+    return x[:, n:][mask[:, : x.shape[1] - n]]
+
+
+def ttt_sums(
+    model: Drafter, states: list[Tensor], last: Tensor, masks: list[Tensor], head: TargetHead
+) -> tuple[Tensor, Tensor]:
+    """Per step: the summed soft cross-entropy and the count of top-1 hits, over valid positions.
+    states[k] [N_k, H] are step k's states at the positions of masks[k] (the drafter's forward
+    with head=False); the target's distribution there comes from last [B, T, Ht] one position on.
+
+    Positions go in chunks of at most LOGITS logits (target_head), each forming its logits and
+    p, using and dropping them; under autograd, when there is more than one chunk, a chunk is
+    recomputed in backward rather than kept, so memory does not grow with draft vocab x TTT
+    steps. When every position read fits one chunk, p is formed once for them all and shared by
+    the steps."""
+    rows = max(1, target_head.LOGITS // len(head.draft))
+    flat = last.flatten(0, 1)
+    index = torch.arange(len(flat), device=last.device).view(last.shape[:2])
+    reads = [at(index, mk, k + 1) for k, mk in enumerate(masks)]  # where each step's p is
+    read = torch.cat(reads).unique()
+    p_read = slot = None
+    if len(read) <= rows:  # a short batch: p formed once for every position read, shared
+        slot = torch.zeros(len(flat), dtype=torch.long, device=last.device)
+        slot[read] = torch.arange(len(read), device=last.device)
+        p_read = head.p(flat[read])
+
+    def sums(state: Tensor, where: Tensor) -> tuple[Tensor, Tensor]:
+        logits = model.logits(state).float()
+        p = head.p(flat[where]) if p_read is None else p_read[slot[where]]
+        return -(p * F.log_softmax(logits, dim=-1)).sum(), (logits.argmax(-1) == p.argmax(-1)).sum()
+
+    ce, hits = [], []
+    for sk, where in zip(states, reads, strict=True):
+        chunks = list(zip(sk.split(rows), where.split(rows), strict=True))
+        recompute = torch.is_grad_enabled() and len(chunks) > 1
+        parts = [
+            checkpoint(sums, *c, use_reentrant=False) if recompute else sums(*c) for c in chunks
+        ]
+        ce.append(torch.stack([c for c, _ in parts]).sum())  # an empty step: one empty chunk
+        hits.append(torch.stack([h for _, h in parts]).sum())
+    return torch.stack(ce), torch.stack(hits).float()
+
+
+def overlong(readers: list, refs: list, hp: dict) -> tuple[list, dict]:
+    """The samples of `refs` longer than max_length are cut there (train.overlong: truncate)
+    or left out (skip): the refs trained, and how many samples and tokens that cost."""
+    cap, policy = hp["max_length"], hp.get("overlong", "truncate")
+    tokens = {
+        (i, s["id"]): s["tokens"] for i, r in enumerate(readers) for s in r.manifest["samples"]
+    }
+    long = [r for r in refs if tokens[r] > cap]
+    lost = sum(tokens[r] - (cap if policy == "truncate" else 0) for r in long)
+    if policy == "skip":
+        refs = [r for r in refs if tokens[r] <= cap]
+    return refs, {"policy": policy, "samples": len(long), "tokens_lost": lost}
+
+
+def check_fits(readers: list, names: list[str], cfg: DrafterConfig, hp: dict, memory: int) -> None:
+    """Before training on a GPU of `memory` bytes: a one-line error naming the dataset and the
+    length when its longest sample (as trained: cut at max_length, or skipped) would not fit,
+    by eaglet.model.train_memory's estimate."""
+    shape = train_memory.Shape.of(
+        cfg.to_dict(),
+        cfg.target_hidden_size,
+        cfg.vocab_size,
+        cfg.draft_vocab_size,
+        hp["ttt_length"],
+    )
+    bs, gib = hp["batch_size"], train_memory.GIB
+    most = train_memory.longest(shape, memory, hp["dtype"]) // bs
+    for name, r in zip(names, readers, strict=True):
+        lengths = [s["tokens"] for s in r.manifest["samples"]]
+        if hp.get("overlong") == "skip":
+            lengths = [n for n in lengths if n <= hp["max_length"]]
+        t = min(max(lengths, default=0), hp["max_length"])
+        if t > most:
+            peak = train_memory.estimate(shape, bs * t, hp["dtype"])["peak"]
+            raise EagletError(
+                f"dataset {name}: a sample of {t:,} tokens (batch {bs}) needs about "
+                f"{peak / gib:.1f} GiB per GPU to train, this GPU has {memory / gib:.1f} GiB; "
+                f"the longest that fits is {most:,} tokens: lower train.max_length "
+                "(train.overlong: truncate or skip)"
+            )
+
+
+def lr_factor(step: int, warmup: int, total: int, min_ratio: float) -> float:
+    """Linear warmup over `warmup` steps, then cosine decay to min_ratio at `total`."""
+    if step < warmup:
+        return (step + 1) / warmup
+    progress = min(1.0, (step - warmup) / max(1, total - warmup))
+    return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+class Run:
+    """Process group, device and precision of one training process."""
+
+    def __init__(self, dtype: str, device: str = "auto"):
+        self.world = int(os.environ.get("WORLD_SIZE", "1"))
+        self.rank = int(os.environ.get("RANK", "0"))
+        cuda = pick_device(device).startswith("cuda")
+        self.device = torch.device(f"cuda:{os.environ.get('LOCAL_RANK', '0')}" if cuda else "cpu")
+        if cuda:
+            torch.cuda.set_device(self.device)
+        if self.world > 1 and not dist.is_initialized():
+            dist.init_process_group("nccl" if cuda else "gloo")
+        self.dtype = resolve_dtype(dtype, self.device.type)
+
+    def autocast(self):
+        if self.dtype == "float32":
+            return nullcontext()
+        return torch.autocast(self.device.type, dtype=getattr(torch, self.dtype))
+
+    def sum(self, t: Tensor) -> Tensor:
+        if self.world > 1:
+            dist.all_reduce(t)
+        return t
+
+    def close(self) -> None:
+        if self.world > 1 and dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def prepare(batch: dict, head: TargetHead, steps: int, device, refs: list) -> dict:
+    """Add the per-step masks (on the device) to the batch of samples `refs`; its hidden
+    states stay where they are until `ttt_batch` needs them."""
+    batch = batch | {k: batch[k].to(device) for k in ("input_ids", "loss_mask")}
+    lm = batch["loss_mask"]
+    in_vocab = head(batch["last"], shift(lm, 1), refs)  # p[t]: learnt where t+1 is an answer
+    return batch | {"masks": step_masks(lm, in_vocab, steps)}
+
+
+def ttt_batch(model, b: dict, steps: int, head: TargetHead, run: Run) -> tuple[Tensor, Tensor]:
+    """Per step (summed soft cross-entropy, top-1 hits) of the prepared batch b; `model` is the
+    drafter or its DDP wrapper. Its aux states go to the device in the compute dtype (what
+    autocast casts them to anyway), the final states in fp32."""
+    aux = b["aux"].to(run.device, getattr(torch, run.dtype))
+    with run.autocast():
+        states = model(aux, b["input_ids"], steps, b["masks"], head=False)
+        drafter = model.module if isinstance(model, DDP) else model
+        return ttt_sums(drafter, states, b["last"].to(run.device), b["masks"], head)
+
+
+def heldout(model: Drafter, readers, refs, hp: dict, head: TargetHead, run: Run) -> dict:
+    """Mean per-step loss and top-1 accuracy on held-out samples."""
+    steps = hp["ttt_length"]
+    ce, hits, n = torch.zeros(steps), torch.zeros(steps), torch.zeros(steps)
+    bs = hp["batch_size"]
+    with torch.no_grad():
+        for i in range(0, len(refs), bs):
+            batch = drafter_data.load(readers, refs[i : i + bs], hp["max_length"])
+            b = prepare(batch, head, steps, run.device, refs[i : i + bs])
+            c, h = ttt_batch(model, b, steps, head, run)
+            ce, hits = ce + c.cpu(), hits + h.cpu()
+            n += torch.stack([m.sum() for m in b["masks"]]).float().cpu()
+    n = n.clamp(min=1)
+    return {"loss": (ce / n).tolist(), "acc": (hits / n).tolist(), "positions": int(n[0])}
+
+
+@dataclass(eq=False)
+class Steps:
+    """Which samples each optimizer step trains on: a function of the seed, the epoch and the
+    process count only, so a resumed run sees the same order."""
+
+    train: list
+    held: list
+    per_step: int  # samples in one global batch (batch_size x grad_accum x processes)
+    total: int
+    seed: int
+    run: Run
+    _order: dict[int, list] = field(default_factory=dict)  # the current epoch's
+
+    @property
+    def per_epoch(self) -> int:
+        return len(self.train) // self.per_step
+
+    def order(self, epoch: int) -> list:
+        if epoch not in self._order:
+            order = list(self.train)
+            random.Random(self.seed * 100_003 + epoch).shuffle(order)
+            self._order = {epoch: order}
+        return self._order[epoch]
+
+    def mine(self, step: int) -> list:
+        """This process's share of the step's global batch."""
+        epoch, index = divmod(step, self.per_epoch)
+        refs = self.order(epoch)[index * self.per_step : (index + 1) * self.per_step]
+        rank, world = self.run.rank, self.run.world
+        return refs[rank * len(refs) // world : (rank + 1) * len(refs) // world]
+
+    def epoch_end(self, step: int) -> bool:
+        return (step + 1) % self.per_epoch == 0
+
+    def reads(self, start: int):
+        """The samples this process reads, in order (an online reader fetches them ahead)."""
+        for step in range(start, self.total):
+            yield from self.mine(step)
+            if self.epoch_end(step) and self.run.rank == 0:
+                yield from self.held
+        if self.run.rank == 0:
+            yield from self.held
+
+
+def plan_steps(readers: list, hp: dict, run: Run) -> tuple[Steps, dict]:
+    """The run's steps over the train/held-out split, and what overlong samples cost."""
+    train_refs, held_refs = drafter_data.split(readers, hp["heldout_fraction"])
+    train_refs, long_train = overlong(readers, train_refs, hp)
+    held_refs, long_held = overlong(readers, held_refs, hp)
+    if long_train["samples"] + long_held["samples"] and run.rank == 0:
+        print(
+            f"train: {long_train['samples'] + long_held['samples']} samples longer than "
+            f"max_length {hp['max_length']:,}: {long_train['policy']} "
+            f"({long_train['tokens_lost'] + long_held['tokens_lost']:,} tokens not trained)",
+            file=sys.stderr,
+        )
+    per_step = hp["batch_size"] * hp["grad_accum"] * run.world
+    if len(train_refs) < per_step:
+        raise EagletError(
+            f"{len(train_refs)} training samples, fewer than one global batch ({per_step})"
+        )
+    total = len(train_refs) // per_step * hp["epochs"]
+    if hp.get("max_steps"):
+        total = min(total, hp["max_steps"])
+    steps = Steps(train_refs, held_refs, per_step, total, hp["seed"], run)
+    return steps, {"train": long_train, "heldout": long_held}
+
+
+@dataclass
+class Trainer:
+    """The drafter, its frozen target head, the optimizer and schedule, and the logs so far."""
+
+    model: Drafter
+    ddp: torch.nn.Module  # the model, or its DDP wrapper
+    head: TargetHead
+    opt: torch.optim.Optimizer
+    sched: torch.optim.lr_scheduler.LambdaLR
+    rows: list[dict] = field(default_factory=list)
+    held_rows: list[dict] = field(default_factory=list)
+
+    @property
+    def trainable(self) -> list[Tensor]:
+        return [p for p in self.model.parameters() if p.requires_grad]
+
+
+def make_trainer(
+    cfg: DrafterConfig, tensors: dict[str, Tensor], hp: dict, total: int, run: Run
+) -> Trainer:
+    """A seeded drafter with the target's embeddings and the draft vocab maps, AdamW, linear
+    warmup then cosine decay."""
+    torch.manual_seed(hp["seed"])
+    model = Drafter(cfg)
+    model.embed_tokens.weight.copy_(tensors["embed"])
+    model.d2t.copy_(tensors["d2t"])
+    model.t2d.copy_(tensors["t2d"])
+    model.to(run.device)
+    head = TargetHead(tensors["lm_head"], tensors["t2d"], getattr(torch, run.dtype))
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(
+        trainable, lr=hp["lr"], betas=(0.9, 0.95), weight_decay=hp["weight_decay"]
+    )
+    warmup = max(1, math.ceil(hp["warmup_ratio"] * total))
+    sched = torch.optim.lr_scheduler.LambdaLR(
+        opt, lambda s: lr_factor(s, warmup, total, hp["min_lr_ratio"])
+    )
+    # gradients as views into the all-reduce buckets: no second copy of them
+    ddp = DDP(model, gradient_as_bucket_view=True) if run.world > 1 else model
+    return Trainer(model, ddp, head.to(run.device), opt, sched)
+
+
+def resume(ckpt: Path, t: Trainer, hp: dict, run: Run) -> int:
+    """Restore `t` and the RNGs from the checkpoint if there is one: the step to start at."""
+    if not ckpt.exists():
+        return 0
+    state = torch.load(ckpt, map_location=run.device, weights_only=False)
+    if state["hp"] != hp or state["world"] != run.world:
+        raise EagletError(f"{ckpt}: checkpoint of a different run (params or processes)")
+    t.model.load_state_dict(state["model"])
+    t.opt.load_state_dict(state["optimizer"])
+    t.sched.load_state_dict(state["scheduler"])
+    torch.set_rng_state(state["rng"]["torch"])
+    random.setstate(state["rng"]["python"])
+    t.rows, t.held_rows = state["rows"], state["heldout"]
+    return state["step"]
+
+
+def save_checkpoint(ckpt: Path, t: Trainer, step: int, steps: Steps, hp: dict) -> None:
+    """Everything a rerun needs to continue at `step` (rank 0 writes it, atomically)."""
+    if steps.run.rank != 0:
+        return
+    state = {
+        "hp": hp,
+        "world": steps.run.world,
+        "step": step,
+        "data_position": {"epoch": step // steps.per_epoch, "batch": step % steps.per_epoch},
+        "model": t.model.state_dict(),
+        "optimizer": t.opt.state_dict(),
+        "scheduler": t.sched.state_dict(),
+        "rng": {"torch": torch.get_rng_state(), "python": random.getstate()},
+        "rows": t.rows,
+        "heldout": t.held_rows,
+    }
+    with atomic_path(ckpt) as tmp:
+        torch.save(state, tmp)
+
+
+def train_step(t: Trainer, readers: list, refs: list, hp: dict, run: Run) -> tuple[dict, int]:
+    """One optimizer step over this process's `refs` (micro-batches accumulated, gradients
+    all-reduced once): its log row (without step and epoch) and the tokens trained."""
+    steps, bs = hp["ttt_length"], hp["batch_size"]
+    weights = torch.tensor([hp["step_weight"] ** k for k in range(steps)])
+    micro = [
+        prepare(
+            drafter_data.load(readers, refs[i : i + bs], hp["max_length"]),
+            t.head,
+            steps,
+            run.device,
+            refs[i : i + bs],
+        )
+        for i in range(0, len(refs), bs)
+    ]
+    counts = torch.stack([torch.stack([m.sum() for m in b["masks"]]) for b in micro]).sum(0)
+    counts = run.sum(counts.float()).clamp(min=1)
+    ce_sum, hit_sum, tokens = torch.zeros(steps), torch.zeros(steps), 0
+    t.model.train()
+    for j, b in enumerate(micro):
+        sync = j == len(micro) - 1 or run.world == 1
+        with nullcontext() if sync else t.ddp.no_sync():  # all-reduce grads once per step
+            ce, hits = ttt_batch(t.ddp, b, steps, t.head, run)
+            # DDP averages gradients over processes; counts are global, so scale back
+            loss = (weights.to(ce.device) * ce / counts.to(ce.device)).sum() * run.world
+            loss.backward()
+        ce_sum, hit_sum = ce_sum + ce.detach().cpu(), hit_sum + hits.cpu()
+        tokens += int(b["loss_mask"].sum())
+    grad_norm = torch.nn.utils.clip_grad_norm_(t.trainable, hp["max_grad_norm"])
+    lr = t.sched.get_last_lr()[0]
+    t.opt.step()
+    t.sched.step()
+    t.opt.zero_grad(set_to_none=True)
+    ce_sum, hit_sum = run.sum(ce_sum), run.sum(hit_sum)
+    step_loss, acc = ce_sum / counts.cpu(), hit_sum / counts.cpu()
+    row = {"lr": lr, "loss": float((weights * step_loss).sum()), "grad_norm": float(grad_norm)}
+    row.update({f"loss_{k}": float(step_loss[k]) for k in range(steps)})
+    row.update({f"acc_{k}": float(acc[k]) for k in range(steps)})
+    return row, int(run.sum(torch.tensor(tokens)))
+
+
+def fit(
+    readers: list,
+    cfg: DrafterConfig,
+    tensors: dict[str, Tensor],
+    hp: dict,
+    out: Path,
+    checkpoint_every: int = 100,
+    device: str = "auto",
+    quiet: bool = False,
+) -> dict:
+    """Train a drafter on `readers` with hyperparameters `hp` and write it to `out` (a folder:
+    model.safetensors, config.json, metrics.csv, heldout.csv). `tensors` holds the target's
+    embed and lm_head and the vocab maps d2t, t2d. Resumes from `out`'s work folder."""
+    run = Run(hp["dtype"], device)
+    steps, long = plan_steps(readers, hp, run)
+    t = make_trainer(cfg, tensors, hp, steps.total, run)
+    work = out.parent / f".{out.name}.work"
+    ckpt = work / "checkpoint.pt"
+    start = resume(ckpt, t, hp, run)
+
+    drafter_data.expect(readers, steps.reads(start))
+    progress = Progress("train", steps.total, quiet=quiet or run.rank != 0, unit="step")
+    progress.done = start
+    t0 = time.monotonic()
+    for step in range(start, steps.total):
+        epoch = step // steps.per_epoch
+        row, tokens = train_step(t, readers, steps.mine(step), hp, run)
+        t.rows.append({"step": step + 1, "epoch": epoch} | row)
+        progress.update(1, tokens=tokens)
+        if steps.epoch_end(step) and steps.held and run.rank == 0:
+            h = heldout(t.model, readers, steps.held, hp, t.head, run)
+            t.held_rows.append(
+                {"step": step + 1, "epoch": epoch}
+                | {f"loss_{k}": v for k, v in enumerate(h["loss"])}
+                | {f"acc_{k}": v for k, v in enumerate(h["acc"])}
+            )
+        if (step + 1) % checkpoint_every == 0 and step + 1 < steps.total:
+            save_checkpoint(ckpt, t, step + 1, steps, hp)
+    progress.close()
+    elapsed = time.monotonic() - t0
+
+    final = None
+    if steps.held and run.rank == 0:
+        final = heldout(t.model, readers, steps.held, hp, t.head, run)
+    last = t.rows[-1] if t.rows else None
+    stats = {
+        "steps": steps.total,
+        "resumed_from": start,
+        "processes": run.world,
+        "dtype": run.dtype,
+        "train_samples": len(steps.train),
+        "heldout_samples": len(steps.held),
+        "overlong": long,
+        "final_loss": last["loss"] if last else None,
+        "final_acc": [last[f"acc_{k}"] for k in range(hp["ttt_length"])] if last else None,
+        "heldout": final,
+        "elapsed_s": round(elapsed, 3),
+        "tokens_per_s": round(progress.tokens / elapsed, 1) if elapsed > 0 else None,
+    }
+    if run.rank == 0:
+        save(t.model, out, t.rows, t.held_rows)
+        shutil.rmtree(work, ignore_errors=True)
+    run.close()
+    return stats
+
+
+def _csv(rows: list[dict]) -> str:
+    if not rows:
+        return ""
+    buf = io.StringIO()
+    w = csv.DictWriter(buf, fieldnames=list(rows[0]), lineterminator="\n")
+    w.writeheader()
+    w.writerows(rows)
+    return buf.getvalue()
+
+
+def save(model: Drafter, out: Path, rows: list[dict], held_rows: list[dict]) -> None:
+    """The trained drafter folder, written atomically."""
+    with atomic_path(out, directory=True) as tmp:
+        tensors = {k: v.detach().cpu().contiguous() for k, v in model.state_dict().items()}
+        save_file(tensors, str(tmp / "model.safetensors"))
+        write_json(tmp / "config.json", model.cfg.to_dict())
+        write_text(tmp / "metrics.csv", _csv(rows))
+        write_text(tmp / "heldout.csv", _csv(held_rows))
+
+
+def load(folder: str | Path, device: str = "cpu") -> Drafter:
+    """A trained drafter from its folder (model.safetensors + config.json)."""
+    from safetensors.torch import load_file
+
+    from eaglet.formats.io import read_json
+
+    folder = Path(folder)
+    model = Drafter(DrafterConfig.from_dict(read_json(folder / "config.json")))
+    model.load_state_dict(load_file(str(folder / "model.safetensors"), device=device))
+    return model.to(device).eval()
+
+
+def build(
+    params: Params,
+    drafter: str,
+    out: Path | None = None,
+    threads: int | None = None,
+    quiet: bool = False,
+) -> Path:
+    """Train the drafter on its datasets' hidden states; write the folder and its sidecar."""
+    settings = params.drafter(drafter)["train"]
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world != settings["processes"]:
+        raise EagletError(
+            f"{params.path}: drafters.{drafter}.train.processes is {settings['processes']} but "
+            f"{world} processes run (WORLD_SIZE): the global batch, and so the checkpoint, "
+            "depends on it"
+        )
+    if threads:
+        torch.set_num_threads(threads)
+    keys = Keys(params)
+    prov = keys.provenance("train", drafter)
+    out = Path(out) if out else keys.path("train", drafter)
+    readers = drafter_data.open_readers(params, drafter)
+    d2t, t2d = vocab.load(keys.path("vocab", drafter))
+    spec = spec_of(params)
+    manifest = readers[0].manifest
+    cfg = DrafterConfig(
+        vocab_size=manifest["target"]["vocab_size"],
+        draft_vocab_size=len(d2t),
+        target_hidden_size=manifest["target"]["hidden_size"],
+        aux_layer_ids=tuple(manifest["aux_layer_ids"]["sglang"]),
+        **prov["params"]["arch"],  # resolved from the target's config and drafters.<d>.arch
+    )
+    embed, lm_head = load_head(spec)
+    hp = prov["params"]["train"] | {"heldout_fraction": prov["params"]["heldout_fraction"]}
+    if pick_device(settings["device"]).startswith("cuda"):  # on CPU: host memory, no check
+        memory = torch.cuda.get_device_properties(0).total_memory
+        check_fits(readers, params.drafter(drafter)["datasets"], cfg, hp, memory)
+    from eaglet.stages import supervised
+
+    try:  # an online reader's engine starts on its first sample and stops here
+        share = supervised.shares(
+            readers, params.drafter(drafter)["datasets"], lm_head, t2d, hp["max_length"]
+        )
+        supervised.check(share, settings["min_supervised_share"], drafter)
+        tensors = {"embed": embed, "lm_head": lm_head, "d2t": d2t, "t2d": t2d}
+        stats = fit(
+            readers,
+            cfg,
+            tensors,
+            hp,
+            out,
+            settings["checkpoint_every"],
+            settings["device"],
+            quiet=quiet,
+        )
+    finally:
+        drafter_data.close_readers(readers)
+    if int(os.environ.get("RANK", "0")) == 0:
+        stats = {**stats, "supervised_share": share}
+        write_json(sidecar_of(out), {"provenance": prov, "stats": stats})
+    return out

@@ -1,0 +1,83 @@
+"""The vocab stage: the drafter's draft vocabulary and its maps to and from the target's.
+
+The draft vocabulary is the `draft_vocab_size` most frequent target ids over the loss-masked
+(assistant) tokens of the drafter's datasets (ties broken by the smaller id), padded with the
+smallest unused ids if fewer occur, sorted ascending. d2t[i] = target_id - i (int64 offsets,
+as SGLang and vLLM read them); t2d is a bool mask over the target vocab.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from eaglet.errors import EagletError
+from eaglet.formats.atomic import atomic_path
+from eaglet.formats.io import write_json
+from eaglet.graph.keys import Keys, sidecar_of
+from eaglet.params import Params
+from eaglet.stages.drafter_data import open_readers
+
+
+def count_tokens(readers: list, vocab_size: int) -> torch.Tensor:
+    """How often each target id occurs among the loss-masked tokens of every sample."""
+    counts = torch.zeros(vocab_size, dtype=torch.long)
+    for reader in readers:
+        # ids and masks alone where the reader gives them (an online reader would prefill)
+        for sample in reader.tokens() if hasattr(reader, "tokens") else reader:
+            ids = sample["input_ids"][sample["loss_mask"]]
+            if ids.numel() and int(ids.max()) >= vocab_size:
+                raise EagletError(f"sample {sample['id']}: token id {int(ids.max())} >= vocab")
+            counts += torch.bincount(ids, minlength=vocab_size)
+    return counts
+
+
+def select(counts: torch.Tensor, size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(d2t [size] int64, t2d [V] bool) for the `size` most frequent ids of `counts` [V]."""
+    vocab = counts.numel()
+    if size > vocab:
+        raise EagletError(f"draft_vocab_size {size} exceeds the target vocab ({vocab})")
+    order = torch.argsort(-counts, stable=True)  # by count, ties by id
+    seen = int((counts > 0).sum())
+    chosen = order[: min(size, seen)]
+    if len(chosen) < size:  # pad with the smallest ids not chosen
+        unused = torch.ones(vocab, dtype=torch.bool)
+        unused[chosen] = False
+        chosen = torch.cat([chosen, unused.nonzero().flatten()[: size - len(chosen)]])
+    ids = torch.sort(chosen).values
+    t2d = torch.zeros(vocab, dtype=torch.bool)
+    t2d[ids] = True
+    return ids - torch.arange(size), t2d
+
+
+def load(path: str | Path) -> tuple[torch.Tensor, torch.Tensor]:
+    """(d2t, t2d) from a vocab artifact."""
+    tensors = load_file(str(path))
+    return tensors["d2t"], tensors["t2d"]
+
+
+def build(params: Params, drafter: str, out: Path | None = None) -> Path:
+    """Count, select and write the draft vocab with its sidecar; return the artifact path."""
+    keys = Keys(params)
+    prov = keys.provenance("vocab", drafter)
+    out = Path(out) if out else keys.path("vocab", drafter)
+    readers = open_readers(params, drafter)
+    vocab_size = readers[0].manifest["target"]["vocab_size"]
+    size = params.drafter(drafter)["draft_vocab_size"]
+    counts = count_tokens(readers, vocab_size)
+    d2t, t2d = select(counts, size)
+    total = int(counts.sum())
+    stats = {
+        "draft_vocab_size": size,
+        "target_vocab_size": vocab_size,
+        "samples": sum(len(r) for r in readers),
+        "loss_tokens": total,
+        "distinct_tokens": int((counts > 0).sum()),
+        "coverage": round(float(counts[t2d].sum()) / total, 6) if total else 0.0,
+    }
+    write_json(sidecar_of(out), {"provenance": prov, "stats": stats})
+    with atomic_path(out) as tmp:
+        save_file({"d2t": d2t, "t2d": t2d}, str(tmp))
+    return out
