@@ -10,10 +10,10 @@ from pathlib import Path
 
 from eaglet.formats.atomic import write_text
 from eaglet.formats.io import write_json
-from eaglet.reports import report
 from eaglet.graph.artifacts import scan
 from eaglet.graph.keys import Keys
 from eaglet.params import Params
+from eaglet.reports import report
 
 # The stats of each stage worth diffing between pipeline versions.
 DATASET_METRICS = {
