@@ -221,8 +221,10 @@ def test_bf16_zstd_batched_within_rounding_and_status_bytes(built, capsys):
         for name in ("aux", "last"):
             want = ref[name].to(torch.bfloat16).float()
             assert s[name].dtype == torch.bfloat16
-            # rounding to bf16 (8 bits) of fp32 states that batching moved by ~1e-6: 1 ulp
-            assert ((s[name].float() - want).abs() <= 2**-7 * want.abs() + 1e-6).all()
+            # rounding to bf16 (8 bits, 1 ulp) of fp32 states that batching moved by ~1e-6 of
+            # the state's norm (on an AMX CPU a near-zero element moves by 2 ulps of itself)
+            floor = 1e-6 * ref[name].norm(dim=-1, keepdim=True)
+            assert ((s[name].float() - want).abs() <= 2**-7 * want.abs() + floor).all()
     row = next(r for r in status.collect(params) if r["stage"] == "hidden")
     st = row["stats"]
     disk = sum(p.stat().st_size for p in out.iterdir())
@@ -243,7 +245,8 @@ def test_killed_run_resumes_from_the_last_complete_shard(built, capsys):
     partial = final.parent / f".{final.name}.partial"
     journal = partial / "journal.jsonl"
     cmd = [sys.executable, "-m", "eaglet", "hidden", "sg", "--params", str(params.path)]
-    proc = subprocess.Popen([*cmd, "--quiet", "--threads", "1"], stderr=subprocess.DEVNULL)
+    # the reference's threads: on an AMX CPU one thread and two round differently
+    proc = subprocess.Popen([*cmd, "--quiet"], stderr=subprocess.DEVNULL)
     deadline = time.monotonic() + 120
     while not (journal.exists() and journal.read_text().count("\n") >= 2):
         assert proc.poll() is None and time.monotonic() < deadline

@@ -442,10 +442,9 @@ def test_an_engine_that_drops_the_final_layer_is_stopped_by_the_probe(kimi, tmp_
 
     spool = tmp_path / "spool"
     spool.mkdir()
-    serve = ServeConfig(
-        model=str(kimi),
-        trust_remote_code=True,
-        language_model_only=True,
+    target = resolve(str(kimi), trust=True)
+    serve = ServeConfig.of(
+        target,
         max_model_len=64,
         max_num_seqs=1,
         threads=2,
@@ -466,4 +465,4 @@ def test_an_engine_that_drops_the_final_layer_is_stopped_by_the_probe(kimi, tmp_
     with Engine(serve, log=tmp_path / "vllm.log") as engine:
         cfg["url"] = engine.url
         with pytest.raises(EagletError, match=r"returned 3 hidden layers .* 0\.32\.0 .*#46973"):
-            VLLMHidden(resolve(str(kimi), trust=True), cfg, [1, 3, 4], 8, "float32", 64)
+            VLLMHidden(target, cfg, [1, 3, 4], 8, "float32", 64)

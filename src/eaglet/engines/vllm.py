@@ -64,6 +64,7 @@ from eaglet.model.target import (
     materialize,
     read_config,
     spec_of,
+    text_config,
 )
 from eaglet.params import Params
 
@@ -99,7 +100,23 @@ class ServeConfig:
     revision: str | None = None  # a hub target's pinned commit
     trust_remote_code: bool = False  # target.trust_remote_code
     language_model_only: bool = False  # a multimodal wrapper: eaglet sends text only
+    mla: bool = False  # multi-head latent attention (DeepSeek-V3, Kimi)
     extra_args: tuple[str, ...] = field(default_factory=tuple)
+
+    @classmethod
+    def of(cls, spec: TargetSpec, **kw: Any) -> ServeConfig:
+        """The server of a target as it ships: its folder, pinned revision and trust; a
+        multimodal wrapper (Kimi-K2.5's `kimi_k25`) serves its language model only, as eaglet
+        sends token ids alone."""
+        raw = read_config(spec)[0]
+        return cls(
+            model=materialize(spec),
+            revision=spec.revision,
+            trust_remote_code=spec.trust_remote_code,
+            language_model_only="vision_config" in raw,
+            mla="kv_lora_rank" in text_config(raw)[0],
+            **kw,
+        )
 
     def argv(self, port: int) -> list[str]:
         """The server's command line."""
@@ -125,6 +142,10 @@ class ServeConfig:
             args.append("--trust-remote-code")
         if self.language_model_only:
             args.append("--language-model-only")
+        if self.mla and self.dtype == "float32" and device_type("auto") != "cuda":
+            # the CPU build serves MLA with its AMX kernel wherever the CPU has AMX tiles, and
+            # that kernel takes bf16/fp16/int8 weights only: fp32 asks for the reference kernel
+            args += ["--attention-backend", "CPU_MLA"]
         if self.speculative is not None:
             args += ["--speculative-config", json.dumps(self.speculative, separators=(",", ":"))]
         if self.kv_transfer is not None:
@@ -424,11 +445,8 @@ def generator(params: Params, name: str, cfg: dict, threads: int | None = None) 
 
 def serve_config(spec: TargetSpec, cfg: dict, max_length: int, threads: int | None) -> ServeConfig:
     """The managed server of a `kind: vllm` backend."""
-    return ServeConfig(
-        model=materialize(spec),
-        revision=spec.revision,
-        trust_remote_code=spec.trust_remote_code,
-        language_model_only=multimodal(spec),
+    return ServeConfig.of(
+        spec,
         served_name=spec.name,
         dtype=resolve_dtype(cfg["dtype"], "auto"),
         max_model_len=cfg.get("max_model_len") or max_length,
@@ -439,12 +457,6 @@ def serve_config(spec: TargetSpec, cfg: dict, max_length: int, threads: int | No
         kv_cache_gb=cfg["kv_cache_gb"],
         extra_args=tuple(cfg["extra_args"]),
     )
-
-
-def multimodal(spec: TargetSpec) -> bool:
-    """Whether the target is a multimodal wrapper (Kimi-K2.5's `kimi_k25`): its engine then runs
-    the language model only (`--language-model-only`), as eaglet sends token ids alone."""
-    return "vision_config" in read_config(spec)[0]
 
 
 def target_stop_ids(tokenizer: Any, folder: str) -> list[int]:
@@ -624,11 +636,8 @@ class VLLMHidden:
                     "kv_connector": "CPUHiddenStatesConnector",
                     "kv_connector_module_path": "eaglet.engines.hidden_connector",
                 }
-            serve = ServeConfig(
-                model=materialize(spec),
-                revision=spec.revision,
-                trust_remote_code=spec.trust_remote_code,
-                language_model_only=multimodal(spec),
+            serve = ServeConfig.of(
+                spec,
                 dtype=dtype,
                 max_model_len=max_len + 1,
                 max_num_seqs=cfg["concurrency"],

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from eaglet.engines.vllm import ServeConfig, multimodal, target_stop_ids
+from eaglet.engines.vllm import ServeConfig, target_stop_ids
 from eaglet.errors import EagletError
 from eaglet.formats import datasets
 from eaglet.formats.atomic import atomic_path
@@ -181,11 +181,8 @@ def engine_metrics(
         return engine_eval.measure_running(cfg["engine_url"], spec.name, prompts, cfg, sorted(stop))
     export = engine_export(params, drafter)
     longest = max(len(p) for ps in prompts.values() for p in ps) + cfg["max_new_tokens"]
-    serve = ServeConfig(
-        model=materialize(spec),
-        revision=spec.revision,
-        trust_remote_code=spec.trust_remote_code,
-        language_model_only=multimodal(spec),
+    serve = ServeConfig.of(
+        spec,
         served_name=spec.name,
         dtype=cfg["dtype"],
         max_model_len=max(params.target["max_length"], longest),
