@@ -70,6 +70,20 @@ class RequestKeys:
         return hashlib.sha256(f"{self.prefix}\0{dumps(messages)}".encode()).hexdigest()
 
 
+def _when_unlocked(statement) -> None:
+    """Run a statement that SQLite answers "database is locked" without waiting (switching a
+    new file to WAL while another process opens it): again, until the busy timeout."""
+    deadline = time.monotonic() + BUSY_TIMEOUT_MS / 1000
+    while True:
+        try:
+            statement()
+            return
+        except sqlite3.OperationalError as e:
+            if "locked" not in str(e) or time.monotonic() > deadline:
+                raise
+            time.sleep(0.05)
+
+
 class Store:
     """One connection to the store (one per process; used from one thread)."""
 
@@ -78,9 +92,9 @@ class Store:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self.db = sqlite3.connect(self.path, timeout=BUSY_TIMEOUT_MS / 1000, isolation_level=None)
         self.db.execute(f"PRAGMA busy_timeout = {BUSY_TIMEOUT_MS}")
-        self.db.execute("PRAGMA journal_mode = WAL")
+        _when_unlocked(lambda: self.db.execute("PRAGMA journal_mode = WAL"))
         self.db.execute("PRAGMA synchronous = NORMAL")  # WAL: survives kill -9, not power loss
-        self.db.executescript(_SCHEMA)
+        _when_unlocked(lambda: self.db.executescript(_SCHEMA))
 
     def close(self) -> None:
         self.db.close()
