@@ -267,6 +267,8 @@ def test_evaluate_measures_acceptance_with_the_engine(project):
     assert set(metrics["engine"]["startup_s"]) == {"plain", "num_steps_2"}
     assert metrics["greedy_reference"] == "vllm" and metrics["prompts"] == 3
     assert set(metrics["suites"]) == {"natural", "humaneval"}  # JSON keys sorted
+    # the CPU build's sampled verification accepts almost nothing (docs/evaluation.md): said
+    assert "sampled_on_the_cpu_engine" in metrics["notes"]
     stats = json.loads(out.with_suffix(".json").read_text())["stats"]
     for name, n in (("natural", 2), ("humaneval", 1)):
         suite = metrics["suites"][name]
@@ -325,3 +327,14 @@ def test_evaluate_measures_acceptance_with_the_engine(project):
         assert greedy["acceptance_length"] == greedy_al[name]
         assert "greedy_equal" not in greedy  # no plain run to compare with
     assert not servers()
+
+
+def test_the_cpu_engine_warning_only_where_eaglet_sampled_on_it():
+    """The warning on sampled numbers goes with an engine eaglet started on a CPU and a
+    temperature above 0; greedy runs, operators' engines and in-process runs carry none."""
+    from eaglet.stages.evaluate import NOTES, notes
+
+    started = {"engine": "vllm"}
+    assert "sampled_on_the_cpu_engine" in notes(started, [0, 0.7])
+    assert notes(started, [0]) == notes(None, [0, 0.7]) == NOTES
+    assert notes({"engine": "vllm", "operator": True}, [0.7]) == NOTES

@@ -25,6 +25,7 @@ from pathlib import Path
 
 import torch
 
+from eaglet.device import device_type
 from eaglet.engines.vllm import ServeConfig, target_stop_ids
 from eaglet.errors import EagletError
 from eaglet.formats import datasets
@@ -214,6 +215,20 @@ NOTES = {
         "sample per prompt, so the number carries sampling noise"
     ),
 }
+CPU_ENGINE_SAMPLED = (
+    "vLLM's CPU build accepts almost no drafts at temperature > 0, even at 0.01 where greedy "
+    "verification accepts the same drafter's proposals (docs/evaluation.md, "
+    "benchmarks/sampled_acceptance.py): its sampled numbers here do not measure the drafter; "
+    "eaglet's do"
+)
+
+
+def notes(engine: dict | None, temperatures: list[float]) -> dict:
+    """NOTES, and a warning where eaglet's own CPU engine measured sampled acceptance."""
+    cpu_engine = engine is not None and not engine.get("operator") and device_type("auto") != "cuda"
+    if cpu_engine and any(t > 0 for t in temperatures):
+        return {**NOTES, "sampled_on_the_cpu_engine": CPU_ENGINE_SAMPLED}
+    return NOTES
 
 
 def agreement(own: dict, engine: dict) -> dict:
@@ -410,7 +425,7 @@ def build(
         "suites": per_suite,
         "offline": offline(model, readers, held, lm_head, cfg["num_steps"]),
         "engine": engine,
-        "notes": NOTES,
+        "notes": notes(engine, cfg["temperatures"]),
     }
     drafter_data.close_readers(readers)  # an online reader's engine
     metrics["elapsed_s"] = round(time.monotonic() - t0, 2)
