@@ -329,12 +329,16 @@ def test_evaluate_measures_acceptance_with_the_engine(project):
     assert not servers()
 
 
-def test_the_cpu_engine_warning_only_where_eaglet_sampled_on_it():
+def test_the_cpu_engine_warning_only_where_eaglet_sampled_on_it(monkeypatch):
     """The warning on sampled numbers goes with an engine eaglet started on a CPU and a
-    temperature above 0; greedy runs, operators' engines and in-process runs carry none."""
+    temperature above 0; greedy runs, operators' engines, GPUs and in-process runs carry none."""
+    from eaglet.stages import evaluate
     from eaglet.stages.evaluate import NOTES, notes
 
     started = {"engine": "vllm"}
+    monkeypatch.setattr(evaluate, "device_type", lambda device: "cuda")
+    assert notes(started, [0, 0.7]) == NOTES
+    monkeypatch.setattr(evaluate, "device_type", lambda device: "cpu")
     assert "sampled_on_the_cpu_engine" in notes(started, [0, 0.7])
     assert notes(started, [0]) == notes(None, [0, 0.7]) == NOTES
     assert notes({"engine": "vllm", "operator": True}, [0.7]) == NOTES
