@@ -185,7 +185,7 @@ def fit_args(params, drafter: str, readers: list) -> dict:
 def training(args) -> dict | None:
     params = load(args.params)
     try:
-        readers = drafter_data.open_readers(params, "demo")
+        readers = drafter_data.open_readers(drafter_data.states(params, "demo"))
     except EagletError as e:  # not built yet
         print(f"# training skipped: the demo's hidden states are not built ({e})")
         return None

@@ -113,7 +113,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     params = load(args.params)
     keys = Keys(params)
-    readers = drafter_data.open_readers(params, args.drafter)
+    readers = drafter_data.open_readers(drafter_data.states(params, args.drafter))
     heldout_fraction = params.drafter(args.drafter)["heldout_fraction"]
     base = fit_args(params, args.drafter, readers)
     print(f"# cpu pressure before: {pressure()}", flush=True)

@@ -60,7 +60,7 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     params = load(args.params)
-    readers = drafter_data.open_readers(params, args.drafter)
+    readers = drafter_data.open_readers(drafter_data.states(params, args.drafter))
     d = params.drafter(args.drafter)
     prov = Keys(params).provenance("train", args.drafter)
     hp = prov["params"]["train"] | {"heldout_fraction": d["heldout_fraction"]}

@@ -26,6 +26,7 @@ sys.path.insert(0, str(ROOT / "src"))
 
 from eaglet.engines.lookup import generator  # noqa: E402
 from eaglet.formats.io import read_jsonl  # noqa: E402
+from eaglet.model.target import spec_of  # noqa: E402
 from eaglet.params import from_dict  # noqa: E402
 
 
@@ -99,7 +100,9 @@ def main() -> None:
     backends = {}
     for name in ("transformers", "vllm"):
         t0 = time.perf_counter()
-        backends[name] = generator(params, name, threads=args.threads)
+        cfg = params.backend(name)
+        target, max_length = spec_of(params), params.target["max_length"]
+        backends[name] = generator(cfg["kind"], name, cfg, target, max_length, args.threads)
         report[name] = {"ready_s": round(time.perf_counter() - t0, 1)}
     runs = asyncio.run(rounds(backends, requests, args.batch))
     outputs = {}

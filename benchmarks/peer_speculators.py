@@ -224,9 +224,11 @@ def serve_all(
     spec = spec_of(params)
     folder = materialize(spec)
     tok = load_tokenizer(spec)
-    readers = drafter_data.open_readers(params, drafter)
+    readers = drafter_data.open_readers(drafter_data.states(params, drafter))
     # the first evaluate suite (the demo's: the natural held-out prompts)
-    prompts = next(iter(suites.prompts(params, drafter, readers, tok, []).values()))
+    prompts = next(
+        iter(suites.prompts(suites.configured(params, drafter), drafter, readers, tok, []).values())
+    )
     stop = sorted(vllm.target_stop_ids(tok, folder))
     serve = vllm.ServeConfig(
         model=folder,
@@ -274,6 +276,19 @@ def main() -> None:
     ap.add_argument(
         "--max-steps", type=int, help="stop both trainers after this many optimizer steps"
     )
+    ap.add_argument(
+        "--eaglet-variant",
+        action="append",
+        default=[],
+        metavar="K=V[,K=V]",
+        help="also train eaglet with these hyperparameters changed (e.g. seed=43), served beside",
+    )
+    ap.add_argument(
+        "--variants-only",
+        action="store_true",
+        help="train and serve only the eaglet variants (vLLM's greedy numbers are deterministic: "
+        "compare with an earlier full run's)",
+    )
     ap.add_argument("--no-serve", action="store_true", help="train only")
     ap.add_argument(
         "--no-greedy-check", action="store_true", help="skip the plain greedy reference run"
@@ -283,7 +298,7 @@ def main() -> None:
     py = speculators_python()
     params = load(args.params)
     spec = spec_of(params)
-    readers = drafter_data.open_readers(params, args.drafter)
+    readers = drafter_data.open_readers(drafter_data.states(params, args.drafter))
     a = fit_args(params, args.drafter, readers)
     hp = a.pop("hp")
     train_refs, held_refs = drafter_data.split(readers, hp["heldout_fraction"])
@@ -293,7 +308,9 @@ def main() -> None:
     work = Path(args.work or tempfile.mkdtemp(prefix="peer-speculators-"))
     data = work / "data"
     if not (data / "dataset_info.json").exists():
-        export_samples(readers, train_refs + held_refs, norm_w, a["d2t"], a["t2d"], data)
+        export_samples(
+            readers, train_refs + held_refs, norm_w, a["tensors"]["d2t"], a["tensors"]["t2d"], data
+        )
         subprocess.run([str(py), str(SHIM), "prepare", str(data)], check=True)
     check = check_prenorm(spec, readers, train_refs, norm_w, eps)
     print(f"# pre-norm state exported: {json.dumps(check)}", flush=True)
@@ -304,44 +321,56 @@ def main() -> None:
         hp |= {"max_steps": args.max_steps, "epochs": -(-args.max_steps // per_epoch)}
         extra += ["--max-steps", str(args.max_steps)]
 
-    ours = train_eaglet(a, hp, work / "eaglet")
-    print(f"# eaglet trained in {ours['seconds']:.1f} s", flush=True)
-    theirs = train_speculators(
-        py,
-        data,
-        work / "speculators",
-        per_epoch,
-        hp | {"train_ratio": (len(train_refs) + 0.5) / n},
-        extra,
-        verifier,
-        [i + 1 for i in a["cfg"].aux_layer_ids],
-        args.threads,
-    )
-    print(f"# speculators trained in {theirs['seconds']:.1f} s ({theirs})", flush=True)
     arch = load_config(spec).architectures
-    exports = {
-        "eaglet": export_eaglet(
-            ours["model"], {"name_or_path": verifier, "architectures": arch}, work / "eaglet"
-        ),
-        "speculators": theirs["checkpoint"],
-    }
+    verifier_cfg = {"name_or_path": verifier, "architectures": arch}
+    runs, exports = {}, {}
+    for variant in args.eaglet_variant:
+        change = dict(kv.split("=", 1) for kv in variant.split(","))
+        over = {k: type(hp[k])(v) if hp.get(k) is not None else float(v) for k, v in change.items()}
+        name = f"eaglet {variant}"
+        runs[name] = train_eaglet(a, hp | over, work / f"eaglet-{variant}")
+        print(f"# {name} trained in {runs[name]['seconds']:.1f} s", flush=True)
+        exports[name] = export_eaglet(runs[name]["model"], verifier_cfg, work / f"eaglet-{variant}")
+    if not args.variants_only:
+        ours = train_eaglet(a, hp, work / "eaglet")
+        print(f"# eaglet trained in {ours['seconds']:.1f} s", flush=True)
+        theirs = train_speculators(
+            py,
+            data,
+            work / "speculators",
+            per_epoch,
+            hp | {"train_ratio": (len(train_refs) + 0.5) / n},
+            extra,
+            verifier,
+            [i + 1 for i in a["cfg"].aux_layer_ids],
+            args.threads,
+        )
+        print(f"# speculators trained in {theirs['seconds']:.1f} s ({theirs})", flush=True)
+        runs = {"eaglet": ours, "speculators": theirs, **runs}
+        exports = {
+            "eaglet": export_eaglet(ours["model"], verifier_cfg, work / "eaglet"),
+            "speculators": theirs["checkpoint"],
+            **exports,
+        }
     served = (
         None
         if args.no_serve
         else serve_all(params, args.drafter, exports, args.threads, not args.no_greedy_check)
     )
-    report(ours, theirs, hp, served, len(train_refs), per_epoch)
+    report(runs, hp, served, len(train_refs), per_epoch)
 
 
-def report(ours: dict, theirs: dict, hp: dict, served: dict | None, n: int, per_epoch: int):
+def report(runs: dict, hp: dict, served: dict | None, n: int, per_epoch: int):
     print(f"\n# {n} training samples, {per_epoch} optimizer steps an epoch, both trainers")
-    print(
-        f"# speculators: --total-seq-len {theirs.get('total_seq_len')} (packed), "
-        f"run_training {theirs.get('run_training_s')} s of {theirs['seconds']:.1f} s"
-    )
+    if "speculators" in runs:
+        theirs = runs["speculators"]
+        print(
+            f"# speculators: --total-seq-len {theirs.get('total_seq_len')} (packed), "
+            f"run_training {theirs.get('run_training_s')} s of {theirs['seconds']:.1f} s"
+        )
     print("\n| trainer | wall time | epochs | acceptance length at 3 steps | per position |")
     print("|---|---|---|---|---|")
-    for name, run in (("eaglet", ours), ("speculators", theirs)):
+    for name, run in runs.items():
         m = (served or {}).get(name)
         al = f"{m['acceptance_length']:.3f}" if m else "not served"
         rates = ", ".join(f"{x:.2f}" for x in m["acceptance_rate"]) if m else ""

@@ -86,8 +86,8 @@ def test_online_kill_resume_matches_offline(root):
     assert all(torch.equal(got[k], want[k]) for k in want)
 
     # the online states equal the offline shards' (transformers fp32) to the engine's noise
-    ref = drafter_data.open_readers(load(root / "offline.yaml"), "d")
-    got = drafter_data.open_readers(params, "d")
+    ref = drafter_data.open_readers(drafter_data.states(load(root / "offline.yaml"), "d"))
+    got = drafter_data.open_readers(drafter_data.states(params, "d"))
     try:
         for r, g in zip(ref, got, strict=True):
             for sid in r.ids[:3]:

@@ -58,7 +58,7 @@ def test_code_key_cache_is_keyed_by_content(tmp_path):
     shutil.copytree(ROOT / "src" / "eaglet", tmp_path / "eaglet")
     cache = tmp_path / "cache"
     cold = _code_keys(tmp_path, cache)
-    [stored] = cache.glob("code-ast-py*.json")
+    [stored] = cache.glob("code-ast-v3-py*.json")
     assert len(json.loads(stored.read_text())) >= 10  # one entry per module parsed
     assert _code_keys(tmp_path, cache) == cold  # warm: read back, same keys
     gen = tmp_path / "eaglet" / "stages/generate.py"
@@ -84,6 +84,22 @@ def test_code_key_ignores_comments_and_formatting_not_code(tmp_path):
     after = _code_keys(tmp_path, tmp_path / "cache")
     assert after[0] != before[0]  # prompts imports formats: its key moves
     assert after[1] == before[1]  # generate does not: its key stays
+
+
+def test_moving_a_module_moves_no_code_key(tmp_path):
+    """A module moved to another package (its importers' import lines follow it) is the same
+    code: the key hashes module contents, not their names or import lines."""
+    shutil.copytree(ROOT / "src" / "eaglet", tmp_path / "eaglet")
+    before = _code_keys(tmp_path, tmp_path / "cache")
+    pkg = tmp_path / "eaglet"
+    (pkg / "formats" / "readers.py").rename(pkg / "model" / "readers.py")
+    for user in ("stages/prompts.py", "stages/suites.py", "stages/foreign.py"):
+        f = pkg / user
+        f.write_text(f.read_text().replace("eaglet.formats.readers", "eaglet.model.readers"))
+    assert _code_keys(tmp_path, tmp_path / "cache") == before
+    f = pkg / "stages" / "prompts.py"  # which name is imported still counts
+    f.write_text(f.read_text().replace("import iter_rows", "import iter_rows, Row"))
+    assert _code_keys(tmp_path, tmp_path / "cache")[0] != before[0]
 
 
 def test_keys_follow_params_slices(project):
@@ -259,11 +275,14 @@ def test_auto_device_and_dtype_key_like_what_they_resolve_to(project, monkeypatc
 
 def test_compare_names_a_move_of_the_code_layout():
     """Across the package move every code key moves once; compare says why."""
-    from eaglet.graph.keys import LAYOUT
+    from eaglet.graph.keys import LAYOUT, LAYOUTS
     from eaglet.reports.compare import _changed
 
     flat = {"params": {"seed": 0}, "code_key": "a"}  # written before code_layout was recorded
     moved = {"params": {"seed": 0}, "code_key": "b", "code_layout": LAYOUT}
-    assert _changed(flat, moved) == ["code: a -> b", f"code layout 1 -> {LAYOUT}: modules moved"]
+    assert _changed(flat, moved) == [
+        "code: a -> b",
+        f"code layout 1 -> {LAYOUT}: {LAYOUTS[LAYOUT]}",
+    ]
     assert _changed(moved, moved | {"code_key": "c"}) == ["code: b -> c"]
     assert _changed(moved, moved) == []

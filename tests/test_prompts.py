@@ -212,7 +212,7 @@ def test_suites_are_read_in_order_and_must_not_overlap_training(project):
         problems = [json.loads(line) for line in f]
     assert len(problems) == 164 and problems[0]["task_id"] == "HumanEval/0"
     trained = SimpleNamespace(ids=["0" * 16])  # a reader's sample ids are prompt ids
-    got = suites.prompts(params, "d", [trained], tok, [])
+    got = suites.prompts(suites.configured(params, "d"), "d", [trained], tok, [])
     assert list(got) == ["natural", "code"]
     assert got["natural"] == want  # `prompts: 2`, file order
     assert len(got["code"]) == 3  # the suite's own cap
@@ -220,7 +220,7 @@ def test_suites_are_read_in_order_and_must_not_overlap_training(project):
 
     first = prompt_id([{"role": "user", "content": rows[0]["instruction"]}])
     with pytest.raises(EagletError, match=r"natural\.jsonl:1: also a prompt of the drafter"):
-        suites.prompts(params, "d", [SimpleNamespace(ids=[first])], tok, [])
+        suites.prompts(suites.configured(params, "d"), "d", [SimpleNamespace(ids=[first])], tok, [])
     data["drafters"]["d"]["evaluate"]["suites"] = {"x": {"format": "alpaca"}}
     with pytest.raises(EagletError, match=r"suites\.x: 'path' is a required property"):
         load(write_params(project, data))

@@ -1,9 +1,10 @@
 """The one lookup of the engine layer: the engine a params field names, if it can do the job.
 
 Each engine module declares `CAN`, a subset of JOBS, and has a factory per job it can do:
-`generator(params, name, cfg, threads)` for the responses stage, `hidden_states(hidden, target,
-layer_ids, threads)` for the hidden stage. Asking an engine for a job it cannot do (say
-`hidden.backend: openai`) is a one-line error naming the field.
+`generator(name, cfg, target, max_length, threads)` for the responses stage,
+`hidden_states(cfg, target, layer_ids, threads)` for the hidden stage; each takes resolved
+values, never params. Asking an engine for a job it cannot do (say `hidden.backend: openai`) is
+a one-line error naming the field.
 
 A generator answers batches of requests. `plan` groups `window` consecutive requests into the
 batches it wants (the in-process model sorts a window by length into batches of `batch_size`; a
@@ -24,7 +25,6 @@ from types import ModuleType
 from typing import Any, Protocol
 
 from eaglet.errors import EagletError
-from eaglet.params import Params
 
 JOBS = {
     "generate": "generate responses",
@@ -67,16 +67,20 @@ def engine(kind: str, job: str, field: str) -> ModuleType:
     return module
 
 
-def generator(params: Params, name: str, threads: int | None = None) -> Backend:
-    """The generation backend `backends.<name>` of params.yaml, ready to answer."""
-    cfg = params.backend(name)
-    module = engine(cfg["kind"], "generate", f"{params.path}: backends.{name}.kind")
-    return module.generator(params, name, cfg, threads)
+def generator(
+    kind: str, name: str, cfg: dict, target: Any, max_length: int, threads: int | None = None
+) -> Backend:
+    """The generation backend `backends.<name>` (of kind `kind`, settings `cfg`) for the target
+    `target` (a TargetSpec), ready to answer; `max_length` is a served engine's context."""
+    module = engine(kind, "generate", f"backends.{name}.kind")
+    return module.generator(name, cfg, target, max_length, threads)
 
 
-def hidden_states(params: Params, target: Any, layer_ids: list[int], threads: int | None = None):
-    """The hidden-states engine `hidden.backend` of params.yaml, for `target`
-    (eaglet.stages.hidden's Target: spec, config, max_length) and the aux layers `layer_ids`."""
-    h = params.data["hidden"]
-    module = engine(h["backend"], "hidden", f"{params.path}: hidden.backend")
-    return module.hidden_states(h, target, layer_ids, threads)
+def hidden_states(
+    kind: str, cfg: dict, target: Any, layer_ids: list[int], threads: int | None = None
+):
+    """The hidden-states engine `kind` (`hidden.backend`) with its settings `cfg` (`hidden.*`,
+    device and dtype resolved), for `target` (eaglet.stages.hidden's Target: spec, config,
+    max_length) and the aux layers `layer_ids`."""
+    module = engine(kind, "hidden", "hidden.backend")
+    return module.hidden_states(cfg, target, layer_ids, threads)

@@ -16,15 +16,15 @@ import httpx
 
 from eaglet.engines.http import Client, Retryable, classify, unreachable
 from eaglet.errors import EagletError
-from eaglet.model.target import load_tokenizer, spec_of
-from eaglet.params import Params
+from eaglet.model.target import TargetSpec, load_tokenizer
 
 CAN = frozenset({"generate"})  # text (and usage) back, never a state of the target
 
 
-def generator(params: Params, name: str, cfg: dict, threads: int | None = None) -> OpenAIBackend:
-    spec = spec_of(params)
-    return OpenAIBackend(name, cfg, lambda: load_tokenizer(spec))
+def generator(
+    name: str, cfg: dict, target: TargetSpec, max_length: int, threads: int | None = None
+) -> OpenAIBackend:
+    return OpenAIBackend(name, cfg, lambda: load_tokenizer(target))
 
 
 class OpenAIBackend:

@@ -19,8 +19,7 @@ from eaglet.engines.http import Client, Fatal, Retryable, unreachable
 from eaglet.engines.openai import chat_body, parse_chat
 from eaglet.errors import EagletError
 from eaglet.formats.chat import prompt_ids
-from eaglet.model.target import load_tokenizer, spec_of
-from eaglet.params import Params
+from eaglet.model.target import TargetSpec, load_tokenizer
 
 if TYPE_CHECKING:
     import torch
@@ -32,9 +31,10 @@ if TYPE_CHECKING:
 CAN = frozenset({"generate", "hidden"})
 
 
-def generator(params: Params, name: str, cfg: dict, threads: int | None = None) -> SGLangBackend:
-    spec = spec_of(params)
-    return SGLangBackend(name, cfg, load_tokenizer(spec), spec.name)
+def generator(
+    name: str, cfg: dict, target: TargetSpec, max_length: int, threads: int | None = None
+) -> SGLangBackend:
+    return SGLangBackend(name, cfg, load_tokenizer(target), target.name)
 
 
 def hidden_states(h: dict, target: Any, layer_ids: list[int], threads: int | None = None):

@@ -16,8 +16,7 @@ import torch
 
 from eaglet.errors import EagletError
 from eaglet.formats.chat import prompt_ids, stop_ids
-from eaglet.model.target import TargetSpec, load_model, load_tokenizer, pick_device, spec_of
-from eaglet.params import Params
+from eaglet.model.target import TargetSpec, load_model, load_tokenizer, pick_device
 
 # speculate: eaglet's own speculative decoder (eaglet.model.speculative) runs on this
 # in-process target
@@ -26,9 +25,9 @@ States = tuple[torch.Tensor, torch.Tensor]
 
 
 def generator(
-    params: Params, name: str, cfg: dict, threads: int | None = None
+    name: str, cfg: dict, target: TargetSpec, max_length: int, threads: int | None = None
 ) -> TransformersBackend:
-    return TransformersBackend(name, spec_of(params), cfg, threads=threads)
+    return TransformersBackend(name, target, cfg, threads=threads)
 
 
 def hidden_states(h: dict, target: Any, layer_ids: list[int], threads: int | None = None):

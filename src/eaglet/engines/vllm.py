@@ -63,10 +63,8 @@ from eaglet.model.target import (
     load_tokenizer,
     materialize,
     read_config,
-    spec_of,
     text_config,
 )
-from eaglet.params import Params
 
 if TYPE_CHECKING:
     import torch
@@ -434,11 +432,10 @@ def spec_counters(text: str) -> SpecCounters:
 # ---------------------------------------------------------------------------- generation
 
 
-def generator(params: Params, name: str, cfg: dict, threads: int | None = None) -> VLLMBackend:
-    spec = spec_of(params)
-    backend = VLLMBackend(
-        name, cfg, spec, load_tokenizer(spec), params.target["max_length"], threads
-    )
+def generator(
+    name: str, cfg: dict, target: TargetSpec, max_length: int, threads: int | None = None
+) -> VLLMBackend:
+    backend = VLLMBackend(name, cfg, target, load_tokenizer(target), max_length, threads)
     backend.start()  # here, in the main thread: the server's parent-death signal needs it
     return backend
 

@@ -1,14 +1,18 @@
 """Content keys and keyed paths: the one place that says where each artifact lives.
 
-key(stage, name) = first 12 hex of SHA-256 over the canonical JSON of
-    [stage, code key of the stage's module, the stage's slice of params, upstream keys]
+A stage's artifact is resolved once, here, into a `Spec`: the stage's values (its slice of
+params with everything resolved: device, dtype, a hub target's commit, layer ids, the drafter's
+arch; never `auto` or a moving ref) and the keys of its upstream artifacts. The stage's `run`
+reads that value and nothing of params; what changes no byte (threads, endpoints, progress)
+travels beside it. key = first 12 hex of SHA-256 over the canonical JSON of
+    [stage, code key of the stage's module, values, upstream keys]
 so an artifact's path changes exactly when something that made it changes; "stale" never
-depends on mtimes. Slices hold resolved values (device, dtype, a hub target's commit), never
-`auto` or a moving ref.
+depends on mtimes.
 
 The code key covers the code that computes the artifact's bytes and nothing else: the AST
-(docstrings stripped) of the stage's module and of every eaglet module it imports, transitively,
-except PLUMBING, where the walk stops. Comments and formatting change nothing.
+(docstrings and eaglet's own import statements stripped) of the stage's module and of every
+eaglet module it imports, transitively, except PLUMBING, where the walk stops. Comments,
+formatting and where a module lies in the package change nothing.
 """
 
 from __future__ import annotations
@@ -28,13 +32,24 @@ from eaglet.formats.hashing import JsonCache, file_digest
 from eaglet.formats.io import dumps
 from eaglet.graph.footprint import in_process, in_process_bytes
 from eaglet.model import arch
-from eaglet.model.target import TargetSpec, read_config, reference, spec_of, text_config
+from eaglet.model.target import (
+    TargetSpec,
+    need,
+    read_config,
+    reference,
+    spec_of,
+    text_config,
+)
 from eaglet.params import Params
 
 KEY_LEN = 12
-# The package layout of the compute code. Moving a module renames it, and so moves every code key
-# once; compare names the move (layout 1: one flat package; 2: stages/, model/, formats/, ...).
-LAYOUT = 2
+# How code keys were formed; compare names a change, which moves every key once.
+LAYOUTS = {
+    1: "one flat package",
+    2: "modules moved to stages/, model/, formats/, ...",
+    3: "code keys without module names (a later move changes none)",
+}
+LAYOUT = 3
 NOT_IN_TRAIN_KEY = ("checkpoint_every", "device", "min_supervised_share")  # no output byte
 
 
@@ -110,10 +125,11 @@ PLUMBING = frozenset(
 
 @cache
 def code_key(*roots: str) -> str:
-    """Hash of the normalized AST of `roots` and the eaglet modules they import (transitively)."""
+    """Hash of the normalized ASTs of `roots` and the eaglet modules they import (transitively):
+    the sorted digests, without module names, so moving or renaming a module changes nothing."""
     h = hashlib.sha256()
-    for name in sorted(set().union(*map(_closure, roots))):
-        h.update(f"{name}\0{_facts(name)[0]}\n".encode())
+    for digest in sorted(_facts(name)[0] for name in set().union(*map(_closure, roots))):
+        h.update(f"{digest}\n".encode())
     _AST_CACHE.save()
     return h.hexdigest()[:KEY_LEN]
 
@@ -122,7 +138,7 @@ PACKAGE = Path(__file__).resolve().parents[1]  # src/eaglet
 # (AST digest, imported names) of each module under the SHA-256 of its name and bytes: a pure
 # function of the source, so a hit is always right; a parse costs ~10 ms a module otherwise, at
 # every Snakefile parse. Per Python version: ast.dump's output is.
-_AST_CACHE = JsonCache(f"code-ast-py{sys.version_info[0]}{sys.version_info[1]}.json")
+_AST_CACHE = JsonCache(f"code-ast-v3-py{sys.version_info[0]}{sys.version_info[1]}.json")
 
 
 def _file(module: str) -> Path | None:
@@ -147,28 +163,45 @@ def _source(module: str) -> Path:
 
 @cache
 def _facts(module: str) -> tuple[str, tuple[tuple[str, str], ...]]:
-    """The module's AST digest (docstrings stripped) and its imports as (name, fallback) pairs:
-    `from eaglet.x import y` is module eaglet.x.y if that file exists, else names in eaglet.x."""
+    """The module's AST digest (docstrings and eaglet imports stripped) and its eaglet imports as
+    (name, fallback) pairs: `from eaglet.x import y` is module eaglet.x.y if that file exists,
+    else names in eaglet.x. The imports enter the key as the modules they bring in."""
     source = _source(module).read_bytes()
     stamp = hashlib.sha256(module.encode() + b"\0" + source).hexdigest()
     hit = _AST_CACHE.entries.get(stamp)
     if hit is not None:
         return hit[0], tuple((a, b) for a, b in hit[1])
     tree = ast.parse(source)
+    imports = tuple(sorted(_import_names(module, tree)))
     for node in ast.walk(tree):
         body = getattr(node, "body", None)
-        if (
-            isinstance(body, list)
-            and body
-            and isinstance(body[0], ast.Expr)
-            and isinstance(body[0].value, ast.Constant)
-            and isinstance(body[0].value.value, str)
-        ):
-            node.body = body[1:] or [ast.Pass()]
+        if isinstance(body, list) and body:
+            if isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant):
+                body = body[1:] if isinstance(body[0].value.value, str) else body
+            node.body = _names_not_places(module, body) or [ast.Pass()]
     digest = hashlib.sha256(ast.dump(tree).encode()).hexdigest()
-    imports = tuple(sorted(_import_names(module, tree)))
     _AST_CACHE.put(stamp, [digest, [list(pair) for pair in imports]])
     return digest, imports
+
+
+def _names_not_places(module: str, body: list[ast.stmt]) -> list[ast.stmt]:
+    """`body` with its eaglet import statements as one statement of the names they bind, sorted:
+    which module a name comes from enters the key as that module's code, not as its place."""
+    names, rest = [], []
+    for node in body:
+        if isinstance(node, ast.Import | ast.ImportFrom) and _eaglet_only(module, node):
+            attr = isinstance(node, ast.ImportFrom)  # `import eaglet.x as m` binds a module
+            names += [(a.name if attr else "", a.asname or "") for a in node.names]
+        else:
+            rest.append(node)
+    if not names:
+        return rest
+    aliases = [ast.alias(name, asname or None) for name, asname in sorted(names)]
+    return [ast.ImportFrom(None, aliases, 0), *rest]
+
+
+def _eaglet_only(module: str, node: ast.Import | ast.ImportFrom) -> bool:
+    return len(_import_names(module, ast.Module([node], []))) == len(node.names)
 
 
 def _import_names(module: str, tree: ast.Module) -> set[tuple[str, str]]:
@@ -204,13 +237,37 @@ def _closure(module: str) -> set[str]:
     return seen
 
 
+@dataclass(frozen=True)
+class Spec:
+    """One artifact, resolved once: a plain value its stage's run reads instead of params."""
+
+    stage: str
+    name: str  # the dataset or drafter
+    key: str
+    code_key: str
+    values: dict  # the stage's resolved settings: what its output's bytes depend on
+    upstream: dict  # the keys of the artifacts it reads
+
+    def provenance(self) -> dict:
+        """The sidecar's record of what made the artifact."""
+        return {
+            "stage": self.stage,
+            STAGES[self.stage].kind: self.name,
+            "key": self.key,
+            "code_key": self.code_key,
+            "code_layout": LAYOUT,
+            "params": self.values,
+            "upstream": self.upstream,
+            "eaglet_version": __version__,
+        }
+
+
 class Keys:
     """Keys, paths and provenance of every artifact a params file defines (memoized)."""
 
     def __init__(self, params: Params):
         self.params = params
-        self._memo: dict[tuple[str, str], dict] = {}
-        self._text: tuple[dict, str, str] | None = None
+        self._memo: dict[tuple[str, str], Spec] = {}
 
     @cached_property
     def target(self) -> TargetSpec:
@@ -224,36 +281,34 @@ class Keys:
     def _identity(self) -> dict:
         return self.target.identity()
 
+    @cached_property
+    def target_config(self) -> tuple[dict, str]:
+        """(the target's config.json as written, where it was read): nothing else is read."""
+        return read_config(self.target)
+
     def target_text_config(self) -> tuple[dict, str, str]:
-        """(the target's text config as JSON, file, field prefix): config.json alone is read."""
-        if self._text is None:
-            raw, where = read_config(self.target)
-            self._text = (*text_config(raw), where)
-        text, prefix, where = self._text
+        """(the target's text config as JSON, file, field prefix)."""
+        raw, where = self.target_config
+        text, prefix = text_config(raw)
         return text, where, prefix
+
+    def spec(self, stage: str, name: str) -> Spec:
+        """The artifact resolved: the values its stage's run reads, its upstream keys, its key."""
+        if (stage, name) not in self._memo:
+            st = STAGES[stage]
+            values, upstream = _SLICES[stage](self, name)
+            code = code_key(*st.roots)
+            payload = [stage, code, values, upstream]
+            key = hashlib.sha256(dumps(payload).encode()).hexdigest()[:KEY_LEN]
+            self._memo[(stage, name)] = Spec(stage, name, key, code, values, upstream)
+        return self._memo[(stage, name)]
 
     def provenance(self, stage: str, name: str) -> dict:
         """What made the artifact: the inputs of its key, and the key itself."""
-        if (stage, name) not in self._memo:
-            st = STAGES[stage]
-            slice_, upstream = _SLICES[stage](self, name)
-            code = code_key(*st.roots)
-            payload = [stage, code, slice_, upstream]
-            key = hashlib.sha256(dumps(payload).encode()).hexdigest()[:KEY_LEN]
-            self._memo[(stage, name)] = {
-                "stage": stage,
-                st.kind: name,
-                "key": key,
-                "code_key": code,
-                "code_layout": LAYOUT,
-                "params": slice_,
-                "upstream": upstream,
-                "eaglet_version": __version__,
-            }
-        return self._memo[(stage, name)]
+        return self.spec(stage, name).provenance()
 
     def key(self, stage: str, name: str) -> str:
-        return self.provenance(stage, name)["key"]
+        return self.spec(stage, name).key
 
     def path(self, stage: str, name: str) -> Path:
         """data/<stage>/<dataset>/<key><ext> or models/<drafter>/<stage>/<key><ext>, under the
@@ -333,7 +388,7 @@ def _hidden_slice(keys: Keys, ds: str) -> tuple[dict, dict]:
     slice_ = {
         "target": keys.target_identity(),
         "max_length": keys.params.max_length(ds),
-        "aux_layer_ids": sglang_layer_ids(h) or "sglang-default",
+        "aux_layer_ids": layer_ids(keys, h),
         "compute": compute,
         "dtype": h["dtype"],
         "storage": {"compress": h["compress"], "fp8": h["fp8"], "shard_mb": h["shard_mb"]},
@@ -341,6 +396,27 @@ def _hidden_slice(keys: Keys, ds: str) -> tuple[dict, dict]:
     if h["mode"] != "offline":  # a manifest-only directory: other bytes (not in train's slice)
         slice_["mode"] = h["mode"]
     return slice_, {"responses": keys.key("responses", ds)}
+
+
+def default_layer_ids(n_layers: int) -> list[int]:
+    """SGLang's default EAGLE-3 aux layers: outputs of layers 1, N//2-1 and N-4 (0-based)."""
+    return [1, n_layers // 2 - 1, n_layers - 4]
+
+
+def layer_ids(keys: Keys, hidden: dict) -> list[int]:
+    """The aux layers in SGLang's convention, checked against the target's layer count."""
+    text, where, prefix = keys.target_text_config()
+    n_layers = need(text, "num_hidden_layers", where, prefix)
+    ids = sglang_layer_ids(hidden) or default_layer_ids(n_layers)
+    bad = [i for i in ids if not 0 <= i < n_layers]
+    if bad:
+        shift = 1 if hidden["aux_layer_convention"] == "vllm" else 0
+        raise EagletError(
+            f"{keys.params.path}: hidden.aux_layer_ids: {[i + shift for i in bad]} out of range "
+            f"for a target of {n_layers} layers ({where}: {prefix}num_hidden_layers; "
+            f"{hidden['aux_layer_convention']} ids: {shift} .. {n_layers - 1 + shift})"
+        )
+    return list(ids)
 
 
 def sglang_layer_ids(hidden: dict) -> list[int] | None:
@@ -418,8 +494,15 @@ def _export_slice(fmt: str) -> Callable[[Keys, str], tuple[dict, dict]]:
     def slice_(keys: Keys, drafter: str) -> tuple[dict, dict]:
         p = keys.params
         steps = min(p.drafter(drafter)["evaluate"]["num_steps"])
-        verifier = reference(keys.target, p.target.get("hub_id"), p.root)
-        slice_ = {"format": fmt, "num_steps": steps, "verifier": verifier}
+        slice_ = {
+            "format": fmt,
+            "num_steps": steps,
+            "verifier": reference(keys.target, p.target.get("hub_id"), p.root),
+            "verifier_architectures": keys.target_config[0].get("architectures"),
+            "arch_differs_from_target": keys.spec("train", drafter).values[
+                "arch_differs_from_target"
+            ],
+        }
         return slice_, {"train": keys.key("train", drafter)}
 
     return slice_

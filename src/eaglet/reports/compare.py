@@ -19,6 +19,7 @@ from pathlib import Path
 
 from eaglet.errors import EagletError
 from eaglet.formats.io import read_json
+from eaglet.graph.keys import LAYOUTS
 
 WORKSPACE = "workspace"
 # (stage, stat, label) rows shown under the keys of each dataset or drafter.
@@ -86,7 +87,7 @@ def _changed(a: dict | None, b: dict | None) -> list[str]:
         changes.append(f"code: {a['code_key']} -> {b['code_key']}")
         la, lb = a.get("code_layout", 1), b.get("code_layout", 1)
         if la != lb:
-            changes.append(f"code layout {la} -> {lb}: modules moved")
+            changes.append(f"code layout {la} -> {lb}: {LAYOUTS.get(lb, 'unknown')}")
     return changes
 
 

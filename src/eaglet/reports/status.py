@@ -29,11 +29,11 @@ def _state(path, stage) -> str:
 
 def generation(params: Params, dataset: str, keys: Keys, store: Store | None) -> dict | None:
     """Prompts, answers done and failed, tokens, cost, % of target and the run in progress."""
-    from eaglet.stages.generate import job, scan
+    from eaglet.stages.generate import resolve, scan
 
     if not keys.path("prompts", dataset).exists():
         return None
-    j = job(params, dataset, keys)
+    _, j = resolve(params, dataset)
     if store is None:
         s = {"prompts": j.count(), "ok": 0, "failed": 0, "tokens": 0, "cost": 0.0}
     else:

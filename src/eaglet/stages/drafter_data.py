@@ -11,35 +11,60 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
 from eaglet.errors import EagletError
 from eaglet.graph.keys import Keys
 from eaglet.params import Params
+from eaglet.stages.hidden import Setup, resolve
 
 Ref = tuple[int, str]  # (reader index, sample id)
 
 
-def open_readers(params: Params, drafter: str) -> list:
+@dataclass(frozen=True)
+class States:
+    """Where a drafter's hidden states are, resolved: each dataset's directory and, in
+    hidden.mode online or hybrid, the hidden stage's setup of the engine that gives them."""
+
+    drafter: str
+    paths: dict[str, Path]  # dataset -> its hidden-states directory
+    engine: Setup | None = None
+
+
+def states(params: Params, drafter: str) -> States:
+    """The hidden states of the drafter's datasets, as params name them."""
+    keys, names = Keys(params), params.drafter(drafter)["datasets"]
+    paths = {ds: keys.path("hidden", ds) for ds in names}
+    online = keys.spec("hidden", names[0]).values.get("mode", "offline") != "offline"
+    return States(drafter, paths, resolve(params, names[0])[1] if online else None)
+
+
+def open_readers(states: States) -> list:
     """A reader for each dataset of the drafter (HiddenReader, or an OnlineReader taking the
     states from the engine in hidden.mode online/hybrid); they must share target and layers.
     Close them with `close_readers`."""
     from eaglet.formats.hidden_store import HiddenReader
 
-    keys = Keys(params)
-    names = params.drafter(drafter)["datasets"]
     readers = []
-    for ds in names:
-        path = keys.path("hidden", ds)
+    for ds, path in states.paths.items():
         if not path.exists():
-            raise EagletError(f"drafters.{drafter}: hidden states of '{ds}' not built: {path}")
+            raise EagletError(
+                f"drafters.{states.drafter}: hidden states of '{ds}' not built: {path}"
+            )
         readers.append(HiddenReader(path))
-    check_compatible(readers, names)
+    check_compatible(readers, list(states.paths))
     if readers[0].manifest.get("mode"):
         from eaglet.stages.hidden_online import online_readers
 
-        return online_readers(params, readers)
+        if states.engine is None:
+            raise EagletError(
+                f"drafters.{states.drafter}: hidden states of '{next(iter(states.paths))}' are "
+                f"{readers[0].manifest['mode']}: the engine that gives them is not configured"
+            )
+        return online_readers(states.engine, readers)
     return readers
 
 

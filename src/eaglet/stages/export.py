@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 import os
 import shlex
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -27,8 +28,7 @@ from safetensors.torch import load_file, save_file
 from eaglet.errors import EagletError
 from eaglet.formats.atomic import atomic_path
 from eaglet.formats.io import read_json, write_json
-from eaglet.graph.keys import Keys, sidecar_of
-from eaglet.model import target as target_files
+from eaglet.graph.keys import Keys, Spec, sidecar_of
 from eaglet.model.arch import FIELDS, rope
 from eaglet.model.drafter import Drafter, DrafterConfig
 from eaglet.params import Params
@@ -322,31 +322,47 @@ def serve_command(fmt: str, target: str, draft: str, num_steps: int = 3) -> str:
     return f"vllm serve {shlex.quote(target)} --speculative-config {shlex.quote(spec)}"
 
 
-def build(params: Params, drafter: str, fmt: str, out: Path | None = None) -> tuple[Path, str]:
-    """Export the current trained drafter and validate it before it lands at its path (a
-    failing export never does); write the sidecar. Returns (path, serving command)."""
+@dataclass(frozen=True)
+class Setup:
+    """Beside the spec: where the export lands, the trained drafter, the project root (what
+    the export's paths are relative to)."""
+
+    out: Path
+    trained: Path
+    root: Path
+
+
+def resolve(params: Params, drafter: str, fmt: str) -> tuple[Spec, Setup]:
     if fmt not in FORMATS:
         raise EagletError(f"export: unknown format '{fmt}' (known: {', '.join(FORMATS)})")
     keys = Keys(params)
-    prov = keys.provenance(fmt, drafter)
-    out = Path(out) if out else keys.path(fmt, drafter)
-    trained = keys.path("train", drafter)
-    if not trained.exists():
-        raise EagletError(f"drafters.{drafter}: not trained yet: {trained}")
-    model = train.load(trained)
-    name = prov["params"]["verifier"]
+    setup = Setup(keys.path(fmt, drafter), keys.path("train", drafter), params.root)
+    return keys.spec(fmt, drafter), setup
+
+
+def build(params: Params, drafter: str, fmt: str, out: Path | None = None) -> tuple[Path, str]:
+    """Export the current trained drafter and validate it before it lands at its path (a
+    failing export never does); write the sidecar. Returns (path, serving command)."""
+    spec, setup = resolve(params, drafter, fmt)
+    return run(spec, setup, Path(out) if out else setup.out)
+
+
+def run(spec: Spec, setup: Setup, out: Path) -> tuple[Path, str]:
+    """Write and validate the export `spec` describes at `out`; (path, serving command)."""
+    if not setup.trained.exists():
+        raise EagletError(f"drafters.{spec.name}: not trained yet: {setup.trained}")
+    model = train.load(setup.trained)
+    v = spec.values
+    name = v["verifier"]
     if name.startswith("./"):  # a folder of the project: named relative to the export itself
-        name = os.path.relpath(params.root / name, out.resolve())
-    verifier = {
-        "name_or_path": name,
-        "architectures": target_files.read_config(keys.target)[0].get("architectures"),
-    }
-    differs = keys.provenance("train", drafter)["params"]["arch_differs_from_target"]
-    num_steps = prov["params"]["num_steps"]
-    draft = os.path.relpath(out.resolve(), params.root.resolve())
-    command = serve_command(fmt, prov["params"]["verifier"], draft, num_steps)
+        name = os.path.relpath(setup.root / name, out.resolve())
+    verifier = {"name_or_path": name, "architectures": v["verifier_architectures"]}
+    draft = os.path.relpath(out.resolve(), setup.root.resolve())
+    command = serve_command(v["format"], v["verifier"], draft, v["num_steps"])
     with atomic_path(out, directory=True) as tmp:
-        write(model, fmt, tmp, verifier, num_steps, differs)
+        write(model, v["format"], tmp, verifier, v["num_steps"], v["arch_differs_from_target"])
         report = validate(tmp, model)
-        write_json(sidecar_of(out), {"provenance": prov, "stats": report | {"serve": command}})
+        write_json(
+            sidecar_of(out), {"provenance": spec.provenance(), "stats": report | {"serve": command}}
+        )
     return out, command

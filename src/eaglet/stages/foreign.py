@@ -28,9 +28,9 @@ from eaglet.errors import EagletError
 from eaglet.formats.datasets import BadRow, prompt_of, to_messages
 from eaglet.formats.io import read_jsonl
 from eaglet.formats.readers import iter_rows
-from eaglet.formats.store import Store, store_path
+from eaglet.formats.store import Store
 from eaglet.params import Params
-from eaglet.stages.generate import job
+from eaglet.stages.generate import resolve
 
 ANSWER_KEYS = ("response", "text", "content", "output")
 
@@ -123,21 +123,21 @@ def normalize(row: dict, prompts: dict[str, list], count) -> tuple[str, list[dic
 
 def import_file(params: Params, dataset: str, path: Path) -> dict:
     """Normalize every line of `path` into the store, all or nothing; return a summary."""
-    j = job(params, dataset)
+    _, j = resolve(params, dataset)
     prompts = {p["id"]: p["messages"] for p in read_jsonl(j.prompts)}
     keys_of_dataset = {j.keyfn(m) for m in prompts.values()}
     tokenizer: list[Any] = []
 
     def count(text: str) -> int:
         if not tokenizer:
-            from eaglet.model.target import load_tokenizer, spec_of
+            from eaglet.model.target import load_tokenizer
 
-            tokenizer.append(load_tokenizer(spec_of(params)))
+            tokenizer.append(load_tokenizer(j.target))
         return len(tokenizer[0](text, add_special_tokens=False)["input_ids"])
 
     summary = {"records": 0, "new": 0, "in_dataset": 0, "completion_tokens": 0, "cost": 0.0}
     schemas: Counter = Counter()
-    store = Store(store_path(params.root))
+    store = Store(j.store)
     try:
         with store.transaction():
             for line, row, error in iter_rows(path):

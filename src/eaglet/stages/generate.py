@@ -30,7 +30,8 @@ from eaglet.errors import EagletError
 from eaglet.formats.io import dumps, read_json, read_jsonl, write_json, write_jsonl_zst
 from eaglet.formats.records import response_record
 from eaglet.formats.store import RequestKeys, Store, store_path
-from eaglet.graph.keys import Keys, sidecar_of
+from eaglet.graph.keys import Keys, Spec, sidecar_of
+from eaglet.model.target import TargetSpec
 from eaglet.params import Params
 from eaglet.progress import Progress
 
@@ -40,14 +41,20 @@ HEARTBEAT_S = 2.0
 
 @dataclass(frozen=True)
 class Job:
-    """One dataset's generation: what to ask, whom, and the budgets that stop it."""
+    """One dataset's generation, resolved: what to ask, whom, the budgets that stop it (from the
+    stage's spec), and where things are (beside it)."""
 
     dataset: str
-    backend: str
+    backend: str  # its name in params: `backends.<name>`
     kind: str
+    engine: dict  # its settings (the spec holds its identity)
+    target: TargetSpec  # where the target's files are
+    max_length: int  # target.max_length: a served engine's context
     sampling: dict
     keyfn: RequestKeys
     prompts: Path
+    store: Path
+    out: Path
     token_budget: int | None
     max_cost_usd: float | None
     overall: dict
@@ -65,45 +72,49 @@ class Job:
             return read_json(side)["stats"]["kept"]
         return sum(1 for _ in read_jsonl(self.prompts))
 
-
-def request_identity(keys: Keys, backend: str) -> dict:
-    """What about a backend changes its answers: its identity, plus the target's for
-    backends that render the prompt with the target's own template and weights."""
-    ident = keys.params.backend_identity(backend)
-    out = {"backend": ident}
-    if ident["kind"] in ("transformers", "sglang", "vllm"):
-        out["target"] = keys.target_identity()
-    return out
+    def generator(self, threads: int | None = None) -> Backend:
+        """The backend, ready to answer."""
+        return generator(
+            self.kind, self.backend, self.engine, self.target, self.max_length, threads
+        )
 
 
-def job(params: Params, dataset: str, keys: Keys | None = None) -> Job:
-    keys = keys or Keys(params)
-    sampling = params.generation(dataset)
-    backend = sampling.pop("backend")
-    kind = params.backend(backend)["kind"]
-    d = params.dataset(dataset)
+def resolve(params: Params, dataset: str) -> tuple[Spec, Job]:
+    """The dataset's responses resolved once: the spec its key hashes, and the job."""
+    keys = Keys(params)
+    spec = keys.spec("responses", dataset)
+    v = spec.values
+    backend = params.generation(dataset)["backend"]
+    kind = v["backend"]["kind"]
     prompts = keys.path("prompts", dataset)
     if not prompts.exists():
         raise EagletError(
             f"{prompts}: prompts of '{dataset}' are not built (run: eaglet prompts {dataset})"
         )
-    if d.get("max_cost_usd") and kind != "openai":
+    if v["max_cost_usd"] and kind != "openai":
         raise EagletError(
             f"{params.path}: datasets.{dataset}.max_cost_usd: backend '{backend}' ({kind}) "
             "reports no cost"
         )
-    return Job(
+    identity = {"backend": v["backend"], **({"target": v["target"]} if "target" in v else {})}
+    job = Job(
         dataset=dataset,
         backend=backend,
         kind=kind,
-        sampling=sampling,
-        keyfn=RequestKeys(request_identity(keys, backend), sampling),
+        engine=params.backend(backend),
+        target=keys.target,
+        max_length=params.target["max_length"],
+        sampling=v["sampling"],
+        keyfn=RequestKeys(identity, v["sampling"]),
         prompts=prompts,
-        token_budget=d.get("token_budget"),
-        max_cost_usd=d.get("max_cost_usd"),
+        store=store_path(params.root),
+        out=keys.path("responses", dataset),
+        token_budget=v["token_budget"],
+        max_cost_usd=v["max_cost_usd"],
         overall=params.data["budget"],
-        response_key=keys.key("responses", dataset),
+        response_key=spec.key,
     )
+    return spec, job
 
 
 # ---------------------------------------------------------------------------- dispatch
@@ -390,11 +401,13 @@ def build(
     quiet: bool = False,
 ) -> Path:
     """Generate what the store lacks, then write the responses and their sidecar."""
-    keys = Keys(params)
-    prov = keys.provenance("responses", dataset)
-    out = Path(out) if out else keys.path("responses", dataset)
-    j = job(params, dataset, keys)
-    store = Store(store_path(params.root))
+    spec, j = resolve(params, dataset)
+    return run(spec, j, Path(out) if out else j.out, threads, quiet)
+
+
+def run(spec: Spec, j: Job, out: Path, threads: int | None = None, quiet: bool = False) -> Path:
+    """Generate what the store lacks for `j`; write the responses `spec` describes at `out`."""
+    store = Store(j.store)
     try:
         before = scan(j, store)
         misses = before["failed"] + before["missing"]
@@ -402,14 +415,14 @@ def build(
         sent = 0
         stopped_by = None
         if misses:
-            sent, stopped_by = _dispatch(params, j, store, misses, threads, quiet)
+            sent, stopped_by = _dispatch(j, store, misses, threads, quiet)
         extra = {
             "store_hits": before["ok"],
             "requests_sent": sent,
             "elapsed_s": round(time.monotonic() - t0, 3),
         }
         try:
-            write_output(j, store, out, prov, extra)
+            write_output(j, store, out, spec.provenance(), extra)
         except EagletError as e:
             if stopped_by and stopped_by.startswith("budget."):
                 raise EagletError(f"{e} (overall {stopped_by} reached)") from None
@@ -420,13 +433,13 @@ def build(
 
 
 def _dispatch(
-    params: Params, j: Job, store: Store, misses: int, threads: int | None, quiet: bool
+    j: Job, store: Store, misses: int, threads: int | None, quiet: bool
 ) -> tuple[int, str | None]:
     """Run the backend over the misses; return (requests sent, budget that stopped it)."""
     progress = Progress(f"responses {j.dataset}", misses, quiet=quiet)
     store.run_started(j.dataset, j.response_key)
     state = "failed"
-    backend = generator(params, j.backend, threads=threads)
+    backend = j.generator(threads)
     d = Dispatch(j, backend, store, progress)
 
     async def heartbeat() -> None:

@@ -19,17 +19,17 @@ import hashlib
 import sys
 import time
 from collections import Counter
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from eaglet.device import resolve_dtype
 from eaglet.engines.lookup import hidden_states
 from eaglet.errors import EagletError
 from eaglet.formats.chat import assistant_turn, prompt_ids, stop_ids
 from eaglet.formats.hidden_store import FORMAT, PartialDir, Storage
 from eaglet.formats.io import dumps, read_jsonl, write_json
-from eaglet.graph.keys import Keys, sglang_layer_ids, sidecar_of
-from eaglet.model.target import TargetSpec, load_config, load_tokenizer, spec_of
+from eaglet.graph.keys import Keys, Spec, sidecar_of
+from eaglet.model.target import TargetSpec, load_config, load_tokenizer
 from eaglet.params import Params
 from eaglet.progress import Progress
 
@@ -43,43 +43,54 @@ LAST_STATE = {
 VOLATILE_CONFIG_KEYS = ("transformers_version", "_name_or_path", "_model_name_or_path", "dtype")
 
 
-def default_layer_ids(n_layers: int) -> list[int]:
-    """SGLang's default EAGLE-3 aux layers: outputs of layers 1, N//2-1 and N-4 (0-based)."""
-    return [1, n_layers // 2 - 1, n_layers - 4]
+@dataclass(frozen=True)
+class Setup:
+    """How the stage runs, beside its spec: where things are and how hard to work. Changes no
+    byte of the output."""
+
+    out: Path  # where the directory lands
+    responses: Path  # the upstream artifact
+    target: TargetSpec  # where the target's files are (its identity is in the spec)
+    engine: dict  # the hidden-states engine's settings (`hidden.*`, device and dtype resolved)
+    source: str  # the params file, for errors
+    threads: int | None = None
+    quiet: bool = False
 
 
-def layer_ids(params: Params, n_layers: int) -> list[int]:
-    """The aux layers in SGLang's convention, checked against the target's layer count."""
-    h = params.data["hidden"]
-    ids = sglang_layer_ids(h) or default_layer_ids(n_layers)
-    bad = [i for i in ids if not 0 <= i < n_layers]
-    if bad:
-        shift = 1 if h["aux_layer_convention"] == "vllm" else 0
-        raise EagletError(
-            f"{params.path}: hidden.aux_layer_ids: {[i + shift for i in bad]} out of range for "
-            f"a target of {n_layers} layers ({h['aux_layer_convention']} ids: "
-            f"{shift} .. {n_layers - 1 + shift})"
-        )
-    return list(ids)
+def resolve(
+    params: Params, dataset: str, threads: int | None = None, quiet: bool = False
+) -> tuple[Spec, Setup]:
+    """The dataset's hidden states resolved once: the spec its key hashes, and the setup."""
+    keys = Keys(params)
+    spec = keys.spec("hidden", dataset)
+    compute, engine = spec.values["compute"], dict(params.data["hidden"])
+    if "device" in compute:  # eaglet runs the target: as the key resolved it
+        engine |= {"device": compute["device"], "compute_dtype": compute["dtype"]}
+    out, responses = keys.path("hidden", dataset), keys.path("responses", dataset)
+    return spec, Setup(out, responses, keys.target, engine, str(params.path), threads, quiet)
 
 
 class Target:
     """The target's tokenizer, text config and identity (weights are loaded by the backend)."""
 
-    def __init__(self, params: Params, keys: Keys, dataset: str):
-        self.spec: TargetSpec = spec_of(params)
-        self.tokenizer = load_tokenizer(self.spec)
-        self.config = load_config(self.spec)
+    def __init__(self, target: TargetSpec, identity: dict, max_length: int):
+        self.spec = target
+        self.tokenizer = load_tokenizer(target)
+        self.config = load_config(target)
         self.stop = stop_ids(self.tokenizer, self.config)
-        self.max_length = params.max_length(dataset)
+        self.max_length = max_length
         cfg = {k: v for k, v in self.config.to_dict().items() if k not in VOLATILE_CONFIG_KEYS}
         self.identity = {
-            **keys.target_identity(),
+            **identity,
             "config_sha256": hashlib.sha256(dumps(cfg).encode()).hexdigest(),
             "num_hidden_layers": self.config.num_hidden_layers,
             "hidden_size": self.config.hidden_size,
             "vocab_size": self.config.vocab_size,
         }
+
+    @classmethod
+    def of(cls, spec: Spec, setup: Setup) -> Target:
+        return cls(setup.target, spec.values["target"], spec.values["max_length"])
 
 
 def sequence(rec: dict, target: Target) -> tuple[dict | None, dict]:
@@ -188,16 +199,11 @@ def run_samples(backend, samples: list[dict], batch_tokens: int) -> list[dict]:
     return out  # type: ignore[return-value]
 
 
-def _storage(params: Params) -> Storage:
-    h = params.data["hidden"]
-    return Storage(h["dtype"], h["compress"], h["fp8"])
-
-
-def _responses(keys: Keys, dataset: str) -> tuple[Path, list[dict]]:
-    path = keys.path("responses", dataset)
-    if not path.exists():
-        raise EagletError(f"hidden {dataset}: responses not built yet: {path}")
-    return path, list(read_jsonl(path))
+def responses(spec: Spec, setup: Setup) -> list[dict]:
+    """The upstream response records, or an error naming what is missing."""
+    if not setup.responses.exists():
+        raise EagletError(f"hidden {spec.name}: responses not built yet: {setup.responses}")
+    return list(read_jsonl(setup.responses))
 
 
 def build(
@@ -208,49 +214,52 @@ def build(
     quiet: bool = False,
 ) -> Path:
     """Write the dataset's hidden-states directory and its sidecar; return the directory."""
+    spec, setup = resolve(params, dataset, threads, quiet)
+    return run(spec, setup, Path(out) if out else setup.out)
+
+
+def run(spec: Spec, setup: Setup, out: Path) -> Path:
+    """Make the hidden-states directory `out` that `spec` describes; return it."""
     t0 = time.monotonic()
-    keys = Keys(params)
-    prov = keys.provenance("hidden", dataset)
-    out = Path(out) if out else keys.path("hidden", dataset)
-    h = params.data["hidden"]
-    t_load = time.monotonic()
-    target = Target(params, keys, dataset)  # first: a target eaglet cannot read stops here
-    load_s = time.monotonic() - t_load
-    source, records = _responses(keys, dataset)
-    ids = layer_ids(params, target.config.num_hidden_layers)
-    samples, stats = sequences(records, target, source)
+    v = spec.values
+    target = Target.of(spec, setup)  # first: a target eaglet cannot read stops here
+    load_s = time.monotonic() - t0
+    records = responses(spec, setup)
+    ids = v["aux_layer_ids"]
+    samples, stats = sequences(records, target, setup.responses)
     if not samples:
-        raise EagletError(f"{source}: no response gives a training sequence ({stats})")
-    storage = _storage(params)
+        raise EagletError(f"{setup.responses}: no response gives a training sequence ({stats})")
+    storage = Storage(v["dtype"], v["storage"]["compress"], v["storage"]["fp8"])
     n_aux, hidden = len(ids), target.config.hidden_size
-    if h["mode"] != "offline":  # online, hybrid: the states come from the engine at training
+    if v.get("mode", "offline") != "offline":  # the states come from the engine at training
         from eaglet.stages.hidden_online import write_manifest_only
 
-        dtype = resolve_dtype(h["compute_dtype"], h["device"])
-        manifest = _manifest(params, dataset, prov, target, ids, storage, dtype, [], stats)
+        manifest = _manifest(spec, target, storage, v["compute"].get("dtype"), [], stats)
         manifest["samples"] = [_sample_meta(s, None) for s in samples]
-        write_json(sidecar_of(out), {"provenance": prov, "stats": stats})
+        write_json(sidecar_of(out), {"provenance": spec.provenance(), "stats": stats})
         return write_manifest_only(out, manifest, samples)
-    plan = plan_shards(samples, storage.token_bytes(n_aux, hidden), h["shard_mb"] * 2**20)
-    digest = [prov["key"], storage.to_dict(), ids]
+    plan = plan_shards(
+        samples, storage.token_bytes(n_aux, hidden), v["storage"]["shard_mb"] * 2**20
+    )
+    digest = [spec.key, storage.to_dict(), ids]
     digest += [[(samples[i]["id"], samples[i]["response_sha256"]) for i in p] for p in plan]
     partial = PartialDir(out, hashlib.sha256(dumps(digest).encode()).hexdigest())
     if partial.done:
         print(
-            f"hidden {dataset}: resuming: {len(partial.done)} of {len(plan)} shards complete",
+            f"hidden {spec.name}: resuming: {len(partial.done)} of {len(plan)} shards complete",
             file=sys.stderr,
         )
     t_load = time.monotonic()
-    backend = hidden_states(params, target, ids, threads)
+    backend = hidden_states(v["compute"]["backend"], setup.engine, target, ids, setup.threads)
     load_s += time.monotonic() - t_load  # tokenizer and model: once per run
-    progress = Progress(f"hidden {dataset}", len(samples), quiet=quiet, unit="seq")
+    progress = Progress(f"hidden {spec.name}", len(samples), quiet=setup.quiet, unit="seq")
     t_run, forward_s = time.monotonic(), 0.0
     try:
         for index, shard in enumerate(plan):
             part = [samples[i] for i in shard]
             if index not in partial.done:
                 t = time.monotonic()
-                states = run_samples(backend, part, h["batch_tokens"])
+                states = run_samples(backend, part, setup.engine["batch_tokens"])
                 forward_s += time.monotonic() - t
                 partial.write_shard(index, states, storage)
             progress.update(len(part), tokens=sum(len(s["input_ids"]) for s in part))
@@ -263,7 +272,7 @@ def build(
         entry.pop("index")
     stats.update(_disk_stats(shards, stats["tokens"], n_aux, hidden, storage))
     compute_dtype = str(backend.dtype).removeprefix("torch.")
-    manifest = _manifest(params, dataset, prov, target, ids, storage, compute_dtype, shards, stats)
+    manifest = _manifest(spec, target, storage, compute_dtype, shards, stats)
     manifest["samples"] = [
         _sample_meta(samples[i], shards[n]["name"]) for n, shard in enumerate(plan) for i in shard
     ]
@@ -274,30 +283,23 @@ def build(
         "elapsed_s": round(time.monotonic() - t0, 3),
         "tokens_per_s": round(stats["tokens"] / max(run_s, 1e-9), 1),
     }
-    write_json(sidecar_of(out), {"provenance": prov, "stats": {**stats, **timing}})
+    write_json(sidecar_of(out), {"provenance": spec.provenance(), "stats": {**stats, **timing}})
     return partial.finish(manifest)
 
 
 def _manifest(
-    params: Params,
-    dataset: str,
-    prov: dict,
-    target: Target,
-    ids: list[int],
-    storage: Storage,
-    compute_dtype: str,
-    shards: list[dict],
-    stats: dict,
+    spec: Spec, target: Target, storage: Storage, compute_dtype: str, shards: list, stats: dict
 ) -> dict:
     """The manifest of a hidden-states directory, but its samples."""
-    h = params.data["hidden"]
+    v = spec.values
+    ids, backend, mode = v["aux_layer_ids"], v["compute"]["backend"], v.get("mode", "offline")
     return {
         "format": FORMAT,
-        "dataset": dataset,
-        "key": prov["key"],
-        "responses_key": prov["upstream"]["responses"],
-        "backend": h["backend"],
-        **({"mode": h["mode"]} if h["mode"] != "offline" else {}),
+        "dataset": spec.name,
+        "key": spec.key,
+        "responses_key": spec.upstream["responses"],
+        "backend": backend,
+        **({"mode": mode} if mode != "offline" else {}),
         "target": target.identity,
         "max_length": target.max_length,
         "aux_layer_ids": {
@@ -308,11 +310,11 @@ def _manifest(
         "last": {
             "what": "final norm output (lm_head input)",
             "hf_hidden_states_index": -1,
-            "how": LAST_STATE[h["backend"]],
+            "how": LAST_STATE[backend],
         },
         "dtype": storage.dtype,
         "compute_dtype": compute_dtype,
-        "storage": {**storage.to_dict(), "shard_mb": h["shard_mb"]},
+        "storage": {**storage.to_dict(), "shard_mb": v["storage"]["shard_mb"]},
         "shards": shards,
         "samples": [],
         "stats": stats,

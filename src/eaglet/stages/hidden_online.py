@@ -32,6 +32,7 @@ import time
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 from types import SimpleNamespace
+from typing import TYPE_CHECKING
 
 import torch
 from safetensors import safe_open
@@ -51,7 +52,9 @@ from eaglet.formats.hidden_store import (
     sha256_file,
 )
 from eaglet.formats.io import dumps, write_json
-from eaglet.params import Params
+
+if TYPE_CHECKING:
+    from eaglet.stages.hidden import Setup
 
 TOKENS = "tokens.safetensors"
 Ref = tuple[int, str]
@@ -71,9 +74,10 @@ def write_manifest_only(out: Path, manifest: dict, samples: list[dict]) -> Path:
     return out
 
 
-def online_readers(params: Params, readers: list[HiddenReader]) -> list[OnlineReader]:
-    """Readers of manifest-only directories that take the states from the engine."""
-    source = Source(params, readers)
+def online_readers(setup: Setup, readers: list[HiddenReader]) -> list[OnlineReader]:
+    """Readers of manifest-only directories that take the states from the engine `setup` names
+    (the hidden stage's: target, engine settings)."""
+    source = Source(setup, readers)
     return [OnlineReader(source, i) for i in range(len(readers))]
 
 
@@ -107,8 +111,8 @@ class OnlineReader:
 class Source:
     """The engine, the prefetch thread and (hybrid) the caches of a drafter's datasets."""
 
-    def __init__(self, params: Params, bases: list[HiddenReader]):
-        self.params, self.bases, self.h = params, bases, params.data["hidden"]
+    def __init__(self, setup: Setup, bases: list[HiddenReader]):
+        self.setup, self.bases, self.h = setup, bases, setup.engine
         m = bases[0].manifest
         self.mode = m["mode"]
         self.n_aux, self.hidden = len(m["aux_layer_ids"]["sglang"]), m["target"]["hidden_size"]
@@ -118,7 +122,7 @@ class Source:
         world = int(os.environ.get("WORLD_SIZE", "1"))
         if world > 1 and not self.h.get("url"):
             raise EagletError(
-                f"{params.path}: hidden.mode {self.mode} with {world} training processes: "
+                f"{setup.source}: hidden.mode {self.mode} with {world} training processes: "
                 "name one engine for all of them with hidden.url (and hidden.spool)"
             )
         self._tokens = [safe_open(str(b.path / TOKENS), framework="pt") for b in bases]
@@ -211,16 +215,16 @@ class Source:
         with self._start:
             if self.backend is None:
                 from eaglet.engines.lookup import hidden_states
-                from eaglet.model.target import load_config, spec_of
+                from eaglet.model.target import load_config
 
-                spec = spec_of(self.params)
+                spec, m = self.setup.target, self.bases[0].manifest
                 target = SimpleNamespace(
                     spec=spec,
                     config=load_config(spec),
                     max_length=max(b.manifest["max_length"] for b in self.bases),
                 )
-                ids = self.bases[0].manifest["aux_layer_ids"]["sglang"]
-                self.backend = hidden_states(self.params, target, ids)
+                ids = m["aux_layer_ids"]["sglang"]
+                self.backend = hidden_states(m["backend"], self.h, target, ids)
             return self.backend
 
     # ------------------------------------------------------------------ prefetch

@@ -11,9 +11,8 @@ import torch
 from eaglet.engines.lookup import hidden_states
 from eaglet.errors import EagletError
 from eaglet.formats.hidden_store import HiddenReader, decode, encode
-from eaglet.graph.keys import Keys
 from eaglet.params import Params
-from eaglet.stages.hidden import Target, _responses, run_samples, sequence
+from eaglet.stages.hidden import Target, resolve, responses, run_samples, sequence
 
 # Largest per-token relative error (L2 over a row) that --verify accepts: the storage's own
 # rounding, or the noise of recomputing a sequence alone instead of in a batch, whichever is
@@ -42,18 +41,19 @@ def verify(
     Also checks every shard's SHA-256 and that the tokens and masks follow from the responses.
     Raises EagletError naming what differs; returns a report otherwise.
     """
-    keys = Keys(params)
-    path = Path(path) if path else keys.path("hidden", dataset)
+    spec, setup = resolve(params, dataset, threads)
+    path = Path(path) if path else setup.out
     reader = HiddenReader(path)
     m = reader.manifest
     problems = reader.check_shards()
-    source, records = _responses(keys, dataset)
-    if m["responses_key"] != keys.key("responses", dataset):
-        problems.append(f"made from responses {m['responses_key']}, current are {source.name}")
+    records = responses(spec, setup)
+    if m["responses_key"] != spec.upstream["responses"]:
+        current = setup.responses.name
+        problems.append(f"made from responses {m['responses_key']}, current are {current}")
     by_id = {r["id"]: r for r in records}
     meta = {s["id"]: s for s in m["samples"]}
-    target = Target(params, keys, dataset)
-    n = samples or params.data["hidden"]["verify_samples"]
+    target = Target.of(spec, setup)
+    n = samples or setup.engine["verify_samples"]
     picked = sorted(random.Random(0).sample(reader.ids, min(n, len(reader))))
     fresh = []
     for sid in picked:
@@ -64,7 +64,7 @@ def verify(
         else:
             fresh.append(sample)
     ids = m["aux_layer_ids"]["sglang"]
-    backend = hidden_states(params, target, ids, threads)
+    backend = hidden_states(spec.values["compute"]["backend"], setup.engine, target, ids, threads)
     try:
         fresh = run_samples(backend, fresh, batch_tokens=1)  # each alone: no batch effects
     finally:

