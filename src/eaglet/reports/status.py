@@ -33,7 +33,7 @@ def generation(params: Params, dataset: str, keys: Keys, store: Store | None) ->
 
     if not keys.path("prompts", dataset).exists():
         return None
-    _, j = resolve(params, dataset)
+    _, j = resolve(params, dataset, keys)
     if store is None:
         s = {"prompts": j.count(), "ok": 0, "failed": 0, "tokens": 0, "cost": 0.0}
     else:

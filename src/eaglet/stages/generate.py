@@ -79,9 +79,10 @@ class Job:
         )
 
 
-def resolve(params: Params, dataset: str) -> tuple[Spec, Job]:
-    """The dataset's responses resolved once: the spec its key hashes, and the job."""
-    keys = Keys(params)
+def resolve(params: Params, dataset: str, keys: Keys | None = None) -> tuple[Spec, Job]:
+    """The dataset's responses resolved once: the spec its key hashes, and the job (`keys`:
+    a caller's Keys of `params`, to share what it has resolved)."""
+    keys = keys or Keys(params)
     spec = keys.spec("responses", dataset)
     v = spec.values
     backend = params.generation(dataset)["backend"]
