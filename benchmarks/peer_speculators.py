@@ -305,7 +305,7 @@ def main() -> None:
     )
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    py = speculators_python()
+    py = None if args.variants_only else speculators_python()  # variants: eaglet only
     params = load(args.params)
     spec = spec_of(params)
     readers = drafter_data.open_readers(drafter_data.states(params, args.drafter))
@@ -317,7 +317,7 @@ def main() -> None:
     verifier = materialize(spec)
     work = Path(args.work or tempfile.mkdtemp(prefix="peer-speculators-"))
     data = work / "data"
-    if not (data / "dataset_info.json").exists():
+    if py and not (data / "dataset_info.json").exists():
         export_samples(
             readers, train_refs + held_refs, norm_w, a["tensors"]["d2t"], a["tensors"]["t2d"], data
         )
