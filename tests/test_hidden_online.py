@@ -19,6 +19,7 @@ from safetensors.torch import load_file
 from eaglet.formats.io import read_json
 from eaglet.graph.keys import Keys
 from eaglet.params import load
+from eaglet.reports import status
 from eaglet.stages import drafter_data, generate, hidden, prompts, vocab
 
 from .conftest import DEMO, ROOT, tiny_params
@@ -70,7 +71,7 @@ def root(tmp_path_factory) -> Path:
     return root
 
 
-def test_online_kill_resume_matches_offline(root):
+def test_online_kill_resume_matches_offline(root, capsys):
     params_path = write(root, "online", "online")
     params, spool = load(params_path), root / "spool-online"
     keys = Keys(params)
@@ -80,6 +81,8 @@ def test_online_kill_resume_matches_offline(root):
             "manifest.json",
             "tokens.safetensors",
         ]
+    status.show(params)  # `eaglet status` reads a folder without shards
+    assert capsys.readouterr().out.count("ids only: states from the engine") == 2
     eaglet(params_path, "vocab", "d")
     want = load_file(Keys(load(root / "offline.yaml")).path("vocab", "d"))
     got = load_file(keys.path("vocab", "d"))

@@ -124,6 +124,8 @@ def _summary(row: dict) -> str:
         return text
     if row["stage"] == "hidden" and st:
         per_token = row["disk_bytes"] / st["tokens"]
+        if "state_bytes_per_token" not in st:  # online/hybrid: no shards in the stage's folder
+            return f"{st['samples']} seqs, {st['tokens']} tok, ids only: states from the engine"
         return (
             f"{st['samples']} seqs, {st['tokens']} tok, {per_token:.0f} B/tok on disk "
             f"= {st['state_bytes_per_token']} x {per_token / st['state_bytes_per_token']:.3f}"
