@@ -137,9 +137,7 @@ def test_artifact_states_missing_up_to_date_stale(tmp_path, monkeypatch):
     fake.stop()
 
 
-def test_gc_removes_other_keys_and_their_leftovers_but_not_the_current_partial(
-    tmp_path, monkeypatch
-):
+def test_gc_removes_other_keys_leftovers_and_caches_but_not_the_current_ones(tmp_path, monkeypatch):
     from eaglet.graph.artifacts import gc
 
     monkeypatch.setenv("EAGLET_TEST_KEY", KEY)
@@ -154,11 +152,13 @@ def test_gc_removes_other_keys_and_their_leftovers_but_not_the_current_partial(
     current = hidden.parent / f".{hidden.name}.partial"
     old = hidden.parent / ".0123456789ab.partial"
     tmp = keys.path("responses", "a").parent / ".0123456789ab.jsonl.zst.tmp-x1"
-    for d in (current, old):
+    cache, old_cache = (hidden.parent / f"{k}.cache" for k in (hidden.name, "0123456789ab"))
+    for d in (current, old, cache / ".rank-0.partial", old_cache / ".rank-0.partial"):
         (d / "journal").mkdir(parents=True)
     tmp.write_bytes(b"half")
     planned = {a.path: a.state for a in gc(keys, dry_run=True)}
-    assert planned == {old: "unfinished", tmp: "unfinished"}
+    assert planned == {old: "unfinished", tmp: "unfinished", old_cache: "cache"}
     gc(keys)
-    assert current.is_dir() and not old.exists() and not tmp.exists()
+    assert current.is_dir() and cache.is_dir()
+    assert not old.exists() and not tmp.exists() and not old_cache.exists()
     assert keys.path("responses", "a").exists()

@@ -21,6 +21,7 @@ KEY_RE = re.compile(r"^[0-9a-f]{12}$")
 # what an interrupted build leaves: hidden's `.<key>.partial/`, train's `.<key>.work/`, atomic
 # writes' `.<key><ext>.tmp-*`; the current key's are kept (a rerun resumes from them)
 LEFTOVER_RE = re.compile(r"^\.(?P<key>[0-9a-f]{12})[^/]*\.(partial|work|tmp-[^/]*)$")
+CACHE_RE = re.compile(r"^(?P<key>[0-9a-f]{12})\.cache$")  # hidden.mode hybrid's states
 
 
 @dataclass
@@ -31,7 +32,8 @@ class Artifact:
     path: Path
     sidecar: Path
     # "current", "other-code" (same params, other code key), "other", "incomplete" (a sidecar
-    # without its artifact) or "unfinished" (what an interrupted build of another key left)
+    # without its artifact), "unfinished" (what an interrupted build of another key left) or
+    # "cache" (a hybrid cache of another hidden key)
     state: str
     provenance: dict = field(default_factory=dict)
     stats: dict = field(default_factory=dict)
@@ -78,11 +80,20 @@ def scan(keys: Keys) -> list[Artifact]:
                 found.append(
                     Artifact(stage, name, key, path, sidecar, state, prov, meta.get("stats", {}))
                 )
-            for left in sorted(folder.glob(".*")):
-                m = LEFTOVER_RE.match(left.name)
-                if m and m["key"] != current["key"]:
-                    nothing = left.with_name(f"{left.name}.json")  # a leftover has no sidecar
-                    found.append(Artifact(stage, name, m["key"], left, nothing, "unfinished"))
+            found += _leftovers(stage, name, folder, current["key"])
+    return found
+
+
+def _leftovers(stage: str, name: str, folder: Path, current: str) -> list[Artifact]:
+    """What interrupted builds of other keys left, and hybrid caches (`<key>.cache/`, beside
+    a hidden directory) of other keys."""
+    found = []
+    for left in sorted(folder.glob(".*")) + sorted(folder.glob("*.cache")):
+        m = LEFTOVER_RE.match(left.name) or CACHE_RE.match(left.name)
+        if m and m["key"] != current:
+            state = "cache" if left.name.endswith(".cache") else "unfinished"
+            nothing = left.with_name(f"{left.name}.json")  # neither has a sidecar
+            found.append(Artifact(stage, name, m["key"], left, nothing, state))
     return found
 
 
