@@ -141,16 +141,6 @@ def check_prenorm(spec, readers: list, refs: list, norm_w, eps: float, n: int = 
     return {"samples": n, "stored_vs_target": worst_stored, "exported_vs_target": worst_export}
 
 
-def typed(value: str, like) -> int | float | str:
-    """A variant's value as the type of the setting it replaces (a number, else the text)."""
-    if like is not None:
-        return type(like)(value)
-    try:
-        return float(value)
-    except ValueError:
-        return value
-
-
 def train_eaglet(a: dict, hp: dict, out: Path) -> dict:
     """eaglet's train stage on the demo's data and hyperparameters; its vLLM export."""
     t0 = time.perf_counter()
@@ -336,7 +326,7 @@ def main() -> None:
     runs, exports = {}, {}
     for variant in args.eaglet_variant:
         change = dict(kv.split("=", 1) for kv in variant.split(","))
-        over = {k: typed(v, hp.get(k)) for k, v in change.items()}
+        over = {k: type(hp[k])(v) if hp.get(k) is not None else float(v) for k, v in change.items()}
         name = f"eaglet {variant}"
         runs[name] = train_eaglet(a, hp | over, work / f"eaglet-{variant}")
         print(f"# {name} trained in {runs[name]['seconds']:.1f} s", flush=True)

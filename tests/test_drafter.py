@@ -248,31 +248,6 @@ def test_argmax_in_draft_vocab_is_kept_per_sample_across_batches(monkeypatch):
     assert torch.equal(cut[0], first[0, :5])
 
 
-@pytest.mark.parametrize("positions", ["draft_argmax", "answer"])
-def test_loss_positions_by_a_loop_over_tokens(positions):
-    """Step k at position t is trained where token t+k+2 is an answer token and, unless every
-    answer position is asked for, the target's full-vocab argmax at t+k+1 is a draft id."""
-    torch.manual_seed(5)
-    lm_head, t2d = torch.randn(40, 8), torch.zeros(40, dtype=torch.bool)
-    t2d[::4] = True
-    last, loss_mask = torch.randn(2, 11, 8), torch.rand(2, 11) > 0.3
-    loss_mask[1, 8:] = False  # padding
-    batch = {"input_ids": torch.zeros(2, 11, dtype=torch.long), "loss_mask": loss_mask}
-    hp = {"ttt_length": 3} | ({} if positions == "draft_argmax" else {"loss_positions": "answer"})
-    head = target_head.TargetHead(lm_head, t2d)
-    masks = train.prepare(batch | {"last": last}, head, hp, "cpu", [(0, "a"), (0, "b")])["masks"]
-    in_draft = t2d[(last @ lm_head.T).argmax(-1)]
-    for k, m in enumerate(masks):
-        for b in range(2):
-            for t in range(11):
-                j = t + k + 2
-                want = j < 11 and bool(loss_mask[b, j])
-                if positions == "draft_argmax":
-                    want = want and bool(in_draft[b, j - 1])
-                assert bool(m[b, t]) == want, (k, b, t)
-    assert masks[0].sum() > 0
-
-
 def test_chunked_step_has_the_gradients_of_the_unchunked_step(monkeypatch):
     """The training step as train.fit runs it (loss in chunks of 3 positions, each TTT step
     recomputed in backward) against the step as it was: every step's logits and the target's

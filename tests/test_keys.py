@@ -128,18 +128,6 @@ def test_keys_follow_params_slices(project):
     assert k3.key("prompts", "sg") != p_sg and k3.key("responses", "sg") != r_sg
 
 
-def test_a_train_option_added_later_keys_its_old_behaviour_as_before(project):
-    data = tiny_params()
-    keys = Keys(load(write_params(project, data)))
-    train_key, eval_key = keys.key("train", "d"), keys.key("evaluate", "d")
-    data["drafters"]["d"]["train"]["loss_positions"] = "draft_argmax"  # the default, spelt out
-    assert Keys(load(write_params(project, data))).key("train", "d") == train_key
-    data["drafters"]["d"]["train"]["loss_positions"] = "answer"
-    k2 = Keys(load(write_params(project, data)))
-    assert k2.key("train", "d") != train_key and k2.key("evaluate", "d") != eval_key
-    assert k2.key("vocab", "d") == keys.key("vocab", "d")
-
-
 def test_raw_content_not_path_or_mtime_makes_the_key(project):
     data = tiny_params()
     keys = Keys(load(write_params(project, data)))

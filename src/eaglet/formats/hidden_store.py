@@ -18,10 +18,6 @@ A directory is built in a `.<name>.partial` sibling: shards are written atomical
 complete shard is appended to `journal.jsonl` (fsync'd), so a killed build resumes from its last
 complete shard; `finish` writes the manifest, drops the journal and renames the directory into
 place, so an existing directory is always a complete one.
-
-An online or hybrid hidden stage (stages/hidden_online.py) writes the manifest and one
-`tokens.safetensors` (`<id>/input_ids`, `<id>/loss_mask`) and no shards: training gets the states
-from the engine.
 """
 
 from __future__ import annotations
@@ -326,20 +322,3 @@ class HiddenReader:
             elif p.stat().st_size != entry["bytes"] or sha256_file(p) != entry["sha256"]:
                 problems.append(f"{entry['name']}: content differs from the manifest (sha256)")
         return problems
-
-
-TOKENS = "tokens.safetensors"  # an online/hybrid directory: token ids and masks, no states
-
-
-def write_manifest_only(out: Path, manifest: dict, samples: list[dict]) -> Path:
-    """The directory of an online/hybrid hidden stage: manifest and token ids, no states."""
-    with atomic_path(out, directory=True) as tmp:
-        tensors = {}
-        for s in samples:
-            tensors[f"{s['id']}/input_ids"] = torch.as_tensor(s["input_ids"], dtype=torch.int32)
-            tensors[f"{s['id']}/loss_mask"] = torch.as_tensor(s["loss_mask"], dtype=torch.bool)
-        save_file(tensors, str(tmp / TOKENS), metadata={"format": FORMAT})
-        entry = {"name": TOKENS, "bytes": (tmp / TOKENS).stat().st_size}
-        manifest["tokens"] = entry | {"sha256": sha256_file(tmp / TOKENS)}
-        write_json(tmp / MANIFEST, manifest)
-    return out

@@ -86,14 +86,14 @@ def scan(keys: Keys) -> list[Artifact]:
 
 def _leftovers(stage: str, name: str, folder: Path, current: str) -> list[Artifact]:
     """What interrupted builds of other keys left, and hybrid caches (`<key>.cache/`, beside
-    a hidden directory) of other keys."""
+    a hidden directory) of other keys; neither has a sidecar."""
     found = []
-    for left in sorted(folder.glob(".*")) + sorted(folder.glob("*.cache")):
-        m = LEFTOVER_RE.match(left.name) or CACHE_RE.match(left.name)
-        if m and m["key"] != current:
-            state = "cache" if left.name.endswith(".cache") else "unfinished"
-            nothing = left.with_name(f"{left.name}.json")  # neither has a sidecar
-            found.append(Artifact(stage, name, m["key"], left, nothing, state))
+    for pattern, state in ((LEFTOVER_RE, "unfinished"), (CACHE_RE, "cache")):
+        for left in sorted(folder.iterdir()):
+            m = pattern.match(left.name)
+            if m and m["key"] != current:
+                nothing = left.with_name(f"{left.name}.json")
+                found.append(Artifact(stage, name, m["key"], left, nothing, state))
     return found
 
 

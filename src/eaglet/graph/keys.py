@@ -439,8 +439,6 @@ def _vocab_slice(keys: Keys, drafter: str) -> tuple[dict, dict]:
 def _train_slice(keys: Keys, drafter: str) -> tuple[dict, dict]:
     p, d = keys.params, keys.params.drafter(drafter)
     train = {k: v for k, v in d["train"].items() if k not in NOT_IN_TRAIN_KEY}
-    if train["loss_positions"] == "draft_argmax":  # added later: its old behaviour keys as before
-        del train["loss_positions"]
     train["max_length"] = train.get("max_length") or max(map(p.max_length, d["datasets"]))
     train["device"] = device_type(d["train"]["device"])
     train["dtype"] = resolve_dtype(d["train"]["dtype"], d["train"]["device"])

@@ -34,24 +34,44 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import TYPE_CHECKING
 
+import torch
 from safetensors import safe_open
+from safetensors.torch import save_file
 
 from eaglet.errors import EagletError
+from eaglet.formats.atomic import atomic_path
 from eaglet.formats.hidden_store import (
+    FORMAT,
     JOURNAL,
-    TOKENS,
+    MANIFEST,
     HiddenReader,
     PartialDir,
     Storage,
     decode,
     encode,
+    sha256_file,
 )
-from eaglet.formats.io import dumps
+from eaglet.formats.io import dumps, write_json
 
 if TYPE_CHECKING:
     from eaglet.stages.hidden import Setup
 
+TOKENS = "tokens.safetensors"
 Ref = tuple[int, str]
+
+
+def write_manifest_only(out: Path, manifest: dict, samples: list[dict]) -> Path:
+    """The directory of an online/hybrid hidden stage: manifest and token ids, no states."""
+    with atomic_path(out, directory=True) as tmp:
+        tensors = {}
+        for s in samples:
+            tensors[f"{s['id']}/input_ids"] = torch.as_tensor(s["input_ids"], dtype=torch.int32)
+            tensors[f"{s['id']}/loss_mask"] = torch.as_tensor(s["loss_mask"], dtype=torch.bool)
+        save_file(tensors, str(tmp / TOKENS), metadata={"format": FORMAT})
+        entry = {"name": TOKENS, "bytes": (tmp / TOKENS).stat().st_size}
+        manifest["tokens"] = entry | {"sha256": sha256_file(tmp / TOKENS)}
+        write_json(tmp / MANIFEST, manifest)
+    return out
 
 
 def online_readers(setup: Setup, readers: list[HiddenReader]) -> list[OnlineReader]:

@@ -4,9 +4,7 @@ The target's next-token distribution p[t] is recomputed on the fly from the stor
 through the target's frozen lm_head and restricted to the draft vocab (full logits are never
 stored). The drafter unrolls `ttt_length` chained steps at every position (Drafter.forward):
 step k at position t predicts token t+k+2, so its target is p[t+k+1], and it counts where
-loss_mask[t+k+2] holds (an assistant token) and, with `loss_positions: draft_argmax` (the
-default), the target's argmax is in the draft vocab (`answer`: every assistant token, as
-speculators trains; p is still restricted to the draft vocab there):
+loss_mask[t+k+2] holds (an assistant token) and the target's argmax is in the draft vocab:
 
     loss = sum_k step_weight**k * sum_valid CE(p, q_k) / N_k      N_k = valid positions, step k
 
@@ -54,8 +52,8 @@ from eaglet.stages import drafter_data, vocab
 
 
 def step_masks(loss_mask: Tensor, in_vocab: Tensor, steps: int) -> list[Tensor]:
-    """Where TTT step k is trained: token t+k+2 is an assistant token and in_vocab holds for it
-    (at t+k+1): the target's argmax there is in the draft vocab, or every answer position."""
+    """Where TTT step k is trained: token t+k+2 is an assistant token and the target's argmax
+    for it (at t+k+1) is in the draft vocab."""
     return [shift(loss_mask, k + 2) & shift(in_vocab, k + 1) for k in range(steps)]
 
 
@@ -183,15 +181,13 @@ class Run:
             dist.destroy_process_group()
 
 
-def prepare(batch: dict, head: TargetHead, hp: dict, device, refs: list) -> dict:
+def prepare(batch: dict, head: TargetHead, steps: int, device, refs: list) -> dict:
     """Add the per-step masks (on the device) to the batch of samples `refs`; its hidden
     states stay where they are until `ttt_batch` needs them."""
     batch = batch | {k: batch[k].to(device) for k in ("input_ids", "loss_mask")}
     lm = batch["loss_mask"]
-    need = shift(lm, 1)  # p[t]: learnt where t+1 is an answer token
-    every = hp.get("loss_positions") == "answer"  # absent from a default spec (keys.py)
-    in_vocab = need if every else head(batch["last"], need, refs)
-    return batch | {"masks": step_masks(lm, in_vocab, hp["ttt_length"])}
+    in_vocab = head(batch["last"], shift(lm, 1), refs)  # p[t]: learnt where t+1 is an answer
+    return batch | {"masks": step_masks(lm, in_vocab, steps)}
 
 
 def ttt_batch(model, b: dict, steps: int, head: TargetHead, run: Run) -> tuple[Tensor, Tensor]:
@@ -213,7 +209,7 @@ def heldout(model: Drafter, readers, refs, hp: dict, head: TargetHead, run: Run)
     with torch.no_grad():
         for i in range(0, len(refs), bs):
             batch = drafter_data.load(readers, refs[i : i + bs], hp["max_length"])
-            b = prepare(batch, head, hp, run.device, refs[i : i + bs])
+            b = prepare(batch, head, steps, run.device, refs[i : i + bs])
             c, h = ttt_batch(model, b, steps, head, run)
             ce, hits = ce + c.cpu(), hits + h.cpu()
             n += torch.stack([m.sum() for m in b["masks"]]).float().cpu()
@@ -376,7 +372,7 @@ def train_step(t: Trainer, readers: list, refs: list, hp: dict, run: Run) -> tup
         prepare(
             drafter_data.load(readers, refs[i : i + bs], hp["max_length"]),
             t.head,
-            hp,
+            steps,
             run.device,
             refs[i : i + bs],
         )
