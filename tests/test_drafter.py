@@ -71,9 +71,9 @@ def test_forward_shapes():
     out = model(aux, ids, 3)
     assert len(out) == 3 and all(o.shape == (2, 5, 6) for o in out)
     masks = [torch.rand(2, 5) > 0.5 for _ in range(3)]
-    sparse = model(aux, ids, 3, masks)
-    for o, s, m in zip(out, sparse, masks, strict=True):
-        assert s.shape == (int(m.sum()), 6) and torch.allclose(o[m], s, atol=1e-6)
+    sums = model(aux, ids, 3, lambda k, states, start: (model.logits(states)[masks[k]].sum(),))
+    want = torch.stack([o[m].sum() for o, m in zip(out, masks, strict=True)])
+    assert torch.allclose(sums[0], want, atol=1e-5)
     model.d2t.copy_(torch.tensor([0, 1, 1, 3, 3, 6]))
     assert model.to_target(torch.tensor([0, 2, 5])).tolist() == [0, 3, 11]
 
@@ -121,10 +121,11 @@ def _rope(x, pos, theta=10000.0):
 @pytest.mark.parametrize("chunked", [False, True])
 def test_two_ttt_steps_against_a_hand_computed_loss(monkeypatch, chunked):
     """The loss of ttt_length=2 on a tiny config, recomputed position by position; also with
-    the loss in chunks of one position and every TTT step recomputed in backward."""
+    the loss and the TTT chain in chunks of one position, recomputed in backward."""
     if chunked:
         monkeypatch.setattr(target_head, "LOGITS", 1)
         monkeypatch.setattr(drafter_module, "RECOMPUTE", 0)
+        monkeypatch.setattr(drafter_module, "CHAIN", 1)
     torch.manual_seed(2)
     cfg = tiny_config()
     model = Drafter(cfg)
@@ -142,7 +143,7 @@ def test_two_ttt_steps_against_a_hand_computed_loss(monkeypatch, chunked):
     head = target_head.TargetHead(lm_head, model.t2d)
     in_vocab = head(last, target_head.shift(loss_mask, 1), [(0, "s")])
     masks = train.step_masks(loss_mask, in_vocab, 2)
-    ce, _ = train.ttt_sums(model, model(aux, ids, 2, masks, head=False), last, masks, head)
+    ce, _ = model(aux, ids, 2, train.scorer(model, masks, last, head))
     counts = torch.stack([m.sum() for m in masks]).float()
     got = (torch.tensor([1.0, 0.8]) * ce / counts).sum()
 
@@ -248,10 +249,12 @@ def test_argmax_in_draft_vocab_is_kept_per_sample_across_batches(monkeypatch):
     assert torch.equal(cut[0], first[0, :5])
 
 
-def test_chunked_step_has_the_gradients_of_the_unchunked_step(monkeypatch):
-    """The training step as train.fit runs it (loss in chunks of 3 positions, each TTT step
-    recomputed in backward) against the step as it was: every step's logits and the target's
-    p [B, T, Vd] formed whole and kept. Same loss, same gradients (fp32)."""
+@pytest.mark.parametrize("chain", [1, 8])
+def test_chunked_step_has_the_gradients_of_the_unchunked_step(monkeypatch, chain):
+    """The training step as train.fit runs a long batch (step 0 whole, then steps 1.. and the
+    scores in chunks of 1 or 4 positions of the sequence, the loss in chunks of 3 positions, all
+    recomputed in backward) against the plain one: every step's logits and the target's p
+    [B, T, Vd] formed whole and kept. Same loss, same gradients (fp32)."""
     torch.manual_seed(4)
     cfg = tiny_config(vocab_size=40, draft_vocab_size=16, hidden_size=16, target_hidden_size=16)
     model = Drafter(cfg)
@@ -277,7 +280,7 @@ def test_chunked_step_has_the_gradients_of_the_unchunked_step(monkeypatch):
 
     monkeypatch.setattr(drafter_module, "RECOMPUTE", 10**9)
     p = head.p(last.flatten(0, 1)).view(2, 13, 16)  # before: p whole, every step's logits kept
-    logits = model(aux, ids, steps, masks)
+    logits = [lk[m] for lk, m in zip(model(aux, ids, steps), masks, strict=True)]
     ce = [
         -(train.at(p, m, k + 1) * F.log_softmax(lk, -1)).sum()
         for k, (lk, m) in enumerate(zip(logits, masks, strict=True))
@@ -286,8 +289,9 @@ def test_chunked_step_has_the_gradients_of_the_unchunked_step(monkeypatch):
     g_want = torch.autograd.grad(want, params)
 
     monkeypatch.setattr(drafter_module, "RECOMPUTE", 0)
+    monkeypatch.setattr(drafter_module, "CHAIN", chain)
     monkeypatch.setattr(target_head, "LOGITS", 3 * 16)
-    ce, _ = train.ttt_sums(model, model(aux, ids, steps, masks, head=False), last, masks, head)
+    ce, _ = model(aux, ids, steps, train.scorer(model, masks, last, head))
     got = (w * ce / counts).sum()
     g_got = torch.autograd.grad(got, params)
     assert torch.allclose(got, want, rtol=1e-6, atol=0)

@@ -1,5 +1,5 @@
 """Training: kill -9 then resume gives the uninterrupted weights; DDP and gradient accumulation
-give the single-process result for the same global batch."""
+give the single-process result for the same global batch, also the way long batches train."""
 
 import csv
 import json
@@ -93,14 +93,18 @@ def test_ddp_and_accumulation_equal_one_process_with_the_same_global_batch(tiny,
     ddp = run(
         tiny, tmp_path / "ddp", "--batch-size", 2, "--max-steps", 4, *reads, launcher=torchrun
     )
+    # and as long batches train: TTT steps 1.. in chunks of 3 positions, recomputed in backward
+    chunked = ("--batch-size", 2, "--max-steps", 4, "--chain", 3)
+    ddp_chunked = run(tiny, tmp_path / "ddp_chunked", *chunked, launcher=torchrun)
     # each rank reads its own half of every global batch, in the order it announced (what an
     # online reader prefetches); rank 0 alone reads the held-out samples
     r0, r1 = (json.loads((tmp_path / f"reads.{r}").read_text()) for r in (0, 1))
     assert r0["read"] == r0["expected"] and r1["read"] == r1["expected"]
     assert len(r1["read"]) == 4 * 2 and not set(r1["read"]) & set(r0["read"][:8])
-    assert (one["processes"], accum["processes"], ddp["processes"]) == (1, 1, 2)
+    processes = [run["processes"] for run in (one, accum, ddp, ddp_chunked)]
+    assert processes == [1, 1, 2, 2]
     ref = rows(tmp_path / "one")
-    for other in ("accum", "ddp"):
+    for other in ("accum", "ddp", "ddp_chunked"):
         got = rows(tmp_path / other)
         for r, g in zip(ref, got, strict=True):
             for col in ("loss", "acc_0", "acc_2", "grad_norm"):
@@ -136,7 +140,8 @@ def test_a_sample_that_would_not_fit_the_gpu_is_one_error_before_training():
     from eaglet.model.drafter import DrafterConfig
     from eaglet.stages import train
 
-    assert (train_memory.LOGITS, train_memory.SCORES) == (target_head.LOGITS, drafter.SCORES)
+    constants = (train_memory.LOGITS, train_memory.SCORES, train_memory.CHAIN)
+    assert constants == (target_head.LOGITS, drafter.SCORES, drafter.CHAIN)
 
     cfg = DrafterConfig(
         vocab_size=1000, draft_vocab_size=100, hidden_size=64, target_hidden_size=64,

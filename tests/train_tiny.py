@@ -1,12 +1,13 @@
 """Train a drafter for the tiny target in its own process (for kill/resume and torchrun tests).
 
     python tests/train_tiny.py BUNDLE OUT [--batch-size B] [--grad-accum A] [--max-steps N]
-                               [--checkpoint-every K] [--step-sleep S] [--reads FILE]
+                               [--checkpoint-every K] [--step-sleep S] [--reads FILE] [--chain N]
 
 BUNDLE is a torch.save of tests.hidden_fixture.bundle(). Prints the training stats as JSON on
 rank 0. --step-sleep slows each step (so that a test can kill it midway). --reads writes, per
 process (FILE.<rank>), the sample ids training announced it would read (`expect`, what an online
-reader prefetches) and those it read.
+reader prefetches) and those it read. --chain trains every batch as a long one: step 0 whole,
+then TTT steps 1.. in chunks of N positions, recomputed in backward (drafter.CHAIN).
 """
 
 import argparse
@@ -33,7 +34,12 @@ def main() -> None:
     ap.add_argument("--checkpoint-every", type=int, default=1000)
     ap.add_argument("--step-sleep", type=float, default=0.0)
     ap.add_argument("--reads", type=Path)
+    ap.add_argument("--chain", type=int)
     args = ap.parse_args()
+    if args.chain:
+        from eaglet.model import drafter
+
+        drafter.RECOMPUTE, drafter.CHAIN = 0, args.chain
     if args.reads:
         record_reads(args.reads)
     torch.set_num_threads(1)

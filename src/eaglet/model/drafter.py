@@ -18,6 +18,7 @@ embeddings. Decoding appends to a KVCache; training runs all steps at once (`for
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -152,7 +153,10 @@ class KVCache:
 
 
 SCORES = 2**24  # attention scores held at once (fp32: 64 MiB), whatever the sequence length
-RECOMPUTE = 2048  # positions (B x T) above which training recomputes each TTT step in backward
+RECOMPUTE = 2048  # positions (B x T) above which training goes in chunks, recomputed in backward
+CHAIN = 512  # positions (B x T) of one such chunk of TTT steps 1..
+# score(k, states [B, c, H] of TTT step k at positions start.., start) -> tensors to sum
+Score = Callable[[int, Tensor, int], tuple[Tensor, ...]]
 
 
 def attend(
@@ -184,10 +188,7 @@ def attend(
         seen = min(past + j, k.shape[2])  # the last key any query of the chunk may see
         args = (q[:, :, i:j], k[:, :, :seen], v[:, :, :seen], past + i)
         args += ([x[:, :, i:j] for x in dk], [x[:, :, i:j] for x in dv])
-        if torch.is_grad_enabled() and rows < t:
-            out.append(checkpoint(_attend_rows, *args, use_reentrant=False))
-        else:
-            out.append(_attend_rows(*args))
+        out.append(recomputed(_attend_rows, *args) if rows < t else _attend_rows(*args))
     return torch.cat(out, dim=2)
 
 
@@ -239,7 +240,7 @@ class Attention(nn.Module):
             past = len(cache)
             keys, values = cache.add(k, v)
         else:  # a later training step: step-0 keys causally, then this position's own chain
-            past = 0
+            past = len(cache) - t  # the queries are the cache's last t positions
             diagonal.append((k, v))
             keys, values = cache.k, cache.v
         out = attend(q, keys, values, past, diagonal or [])
@@ -307,49 +308,86 @@ class Drafter(nn.Module):
         return draft_ids + self.d2t[draft_ids]
 
     def forward(
-        self,
-        aux: Tensor,
-        input_ids: Tensor,
-        steps: int,
-        masks: list[Tensor] | None = None,
-        head: bool = True,
-    ) -> list[Tensor]:
-        """Training-time test: `steps` chained drafting steps at every position; logits per step
-        (at the positions of masks[k] [B, T] only, [N_k, Vd], when masks are given), or with
-        head=False the states before the final norm (for a loss that applies `logits` itself,
-        in chunks).
+        self, aux: Tensor, input_ids: Tensor, steps: int, score: Score | None = None
+    ) -> list[Tensor] | tuple[Tensor, ...]:
+        """Training-time test: `steps` chained drafting steps at every position; per step its
+        logits [B, T, Vd], or with `score` the sums over positions of what score(k, states,
+        start) makes of step k's states [B, c, H] (before the final norm) at positions start..
+        (training's loss and hits: a tuple of [steps] tensors).
 
         Step k at position t reads token t+k+1 (teacher-forced) and the step k-1 output at t,
         sits at position t+k, and attends to the step-0 keys of positions <= t plus its own
         chain (steps 1..k at t): exactly what chain decoding from position t sees. Its logits
         predict token t+k+2. Tokens past the end read id 0 (the caller masks them).
 
-        Under autograd, a batch of more than RECOMPUTE positions keeps only each step's output
-        and keys and values, and recomputes the step's layer in backward (checkpointing).
+        With `score`, a batch of more than RECOMPUTE positions goes in chunks of positions: step
+        0 over all of them (its keys and values are what every later step attends to), then per
+        chunk of at most CHAIN positions the later steps and every step's score, both
+        recomputed in backward under autograd. Per position only step 0's input, output, keys
+        and values are then kept, whatever the number of steps.
         """
         b, t = input_ids.shape
-        recompute = torch.is_grad_enabled() and b * t > RECOMPUTE
-        hidden, keys, out = self.features(aux), [], []
+        hidden = self.features(aux)
+        if score is None:
+            hidden, k0, v0 = self.ttt_step(hidden, input_ids, 0)
+            return self.chain(hidden, input_ids, steps, k0, v0, 0, lambda k, s, i: self.logits(s))
+        if b * t <= RECOMPUTE:
+            hidden, k0, v0 = self.ttt_step(hidden, input_ids, 0)
+            return self.chain_sums(hidden, input_ids, steps, k0, v0, 0, score)
+        hidden, k0, v0 = recomputed(self.ttt_step, hidden, input_ids, 0)
+        width = max(1, CHAIN // b)
+        parts = [
+            recomputed(self.chain_sums, h, input_ids, steps, k0, v0, i * width, score)
+            for i, h in enumerate(hidden.split(width, dim=1))
+        ]
+        return tuple(torch.stack(x).sum(0) for x in zip(*parts, strict=True))
+
+    def chain(
+        self,
+        hidden: Tensor,
+        input_ids: Tensor,
+        steps: int,
+        k0: Tensor,
+        v0: Tensor,
+        start: int,
+        score: Score,
+    ) -> list:
+        """score(k, step k's output, start) for each step k, from step 0's output hidden [B, c, H]
+        at positions start..start+c and step 0's keys and values k0, v0 (all positions)."""
+        diagonal, out = [], []
         for k in range(steps):
-            args = (hidden, input_ids, k, *keys)
-            if recompute:
-                hidden, *kv = checkpoint(self.ttt_step, *args, use_reentrant=False)
-            else:
-                hidden, *kv = self.ttt_step(*args)
-            keys += kv
-            state = hidden if masks is None else hidden[masks[k]]
-            out.append(self.logits(state) if head else state)
+            if k:
+                hidden, *kv = self.ttt_step(hidden, input_ids, k, k0, v0, *diagonal, start=start)
+                diagonal += kv
+            out.append(score(k, hidden, start))
         return out
 
-    def ttt_step(self, hidden: Tensor, input_ids: Tensor, k: int, *keys: Tensor) -> tuple:
-        """TTT step k from step k-1's output and the keys and values of steps 0..k-1 (k0, v0,
-        k1, v1, ...): (its output, its keys, its values). Pure, so that backward can rerun it."""
-        t = input_ids.shape[1]
-        ids = F.pad(input_ids[:, k + 1 :], (0, min(k + 1, t)))
-        pos = torch.arange(t, device=input_ids.device) + k
+    def chain_sums(self, *args: Any) -> tuple[Tensor, ...]:
+        """chain(*args) with each of the scores' parts stacked over the steps."""
+        return tuple(torch.stack(x) for x in zip(*self.chain(*args), strict=True))
+
+    def ttt_step(
+        self, hidden: Tensor, input_ids: Tensor, k: int, *keys: Tensor, start: int = 0
+    ) -> tuple:
+        """TTT step k at positions start..start+c from step k-1's output there, hidden [B, c, H],
+        and the keys and values (k0, v0, k1, v1, ...) of step 0 (every position) and of steps
+        1..k-1 (these positions): (its output, its keys, its values). Pure, so that backward can
+        rerun it."""
+        c, t = hidden.shape[1], input_ids.shape[1]
+        ids = F.pad(input_ids[:, k + 1 :], (0, min(k + 1, t)))[:, start : start + c]
+        pos = torch.arange(start, start + c, device=input_ids.device) + k
         cache, diagonal = KVCache(), None
-        if k:  # the step-0 keys causally, then this position's own chain
+        if k:  # the step-0 keys causally (those these positions see), then their own chain
             cache.k, cache.v = keys[0], keys[1]
+            if start + c < t:
+                cache.crop(start + c)
             diagonal = [(keys[i], keys[i + 1]) for i in range(2, len(keys), 2)]
         hidden = self.midlayer(self.embed_tokens(ids), hidden, pos, cache, diagonal)
         return hidden, *(diagonal[-1] if k else (cache.k, cache.v))
+
+
+def recomputed(fn: Callable, *args: Any) -> Any:
+    """fn(*args); under autograd its activations are recomputed in backward, not kept."""
+    if torch.is_grad_enabled():
+        return checkpoint(fn, *args, use_reentrant=False)
+    return fn(*args)

@@ -1,23 +1,28 @@
 """Training memory per GPU: peak = fixed + per_token x T, from the drafter's architecture.
 
 What `train.fit` holds for one micro-batch of T positions (the step's only micro-batch on the
-device at a time), each TTT step's layer recomputed in backward (drafter.RECOMPUTE) and the loss
-in chunks (target_head.LOGITS), so nothing per token grows with the draft vocab. With H the
-drafter's width, Ht the target's, A = heads x head_dim, K = kv_heads x head_dim, I the MLP
-width, n TTT steps, a the activation bytes (2 under bf16 autocast, 4 in fp32), per token:
+device at a time) when it is long (more than drafter.RECOMPUTE positions): step 0 over every
+position, its layer recomputed in backward, then TTT steps 1.. and every step's loss in chunks
+of drafter.CHAIN positions, each chunk recomputed in backward; the loss in chunks of logits
+(target_head.LOGITS). So nothing per token grows with the draft vocab or the TTT depth. With H
+the drafter's width, Ht the target's, A = heads x head_dim, K = kv_heads x head_dim, I the MLP
+width, a the activation bytes (2 under bf16 autocast, 4 in fp32), per token:
 
 - inputs: aux 3·Ht·a (moved in the compute dtype), the final states 4·Ht (p is fp32)
-- kept through the step: the fused features H·a, and per TTT step its output, its gathered
-  trained states and its keys and values: n·(2H + 2K)·a
-- gradients held when backward reaches the first (last) TTT step: the trained states' n·H·a and
-  every earlier step's keys and values (n-1)·2K·a
-- the one recomputed layer's activations (`layer_bytes`), fp32 where the code is fp32 (the
-  embedding, the three RMSNorms, the concatenated attention input)
+- kept through the step: the fused features, step 0's output, its keys and values (2H + 2K)·a
+- then the larger of two phases of backward:
+  - the chunks: the gradients of step 0's output (H·a) and of its keys and values (2K·a, and
+    another 2K·a while a chunk's are added in)
+  - step 0: the gradients of its output, keys and values, and its recomputed layer's
+    activations (`layer_bytes`), fp32 where the code is fp32 (the embedding, the three
+    RMSNorms, the concatenated attention input)
 
 Fixed: trainable weights, gradients and AdamW's two moments in fp32 (16 bytes a parameter;
 DDP's all-reduce buckets are the gradients themselves), the frozen embeddings [V, H] fp32, the
 target head (draft rows fp32, the other rows in the compute dtype), the loss chunk's and the
-attention chunk's working sets, and the CUDA context and allocator slack (OVERHEAD, assumed).
+attention chunk's working sets, one chunk's TTT steps 1.. (their layers' activations and
+outputs, keys and values at CHAIN positions), and the CUDA context and allocator slack
+(OVERHEAD, assumed).
 
 The derived per-token figure is multiplied by CALIBRATION (see there).
 """
@@ -29,6 +34,7 @@ from dataclasses import dataclass
 GIB = 2**30
 LOGITS = 2**23  # = target_head.LOGITS (not imported: this module stays free of torch)
 SCORES = 2**24  # = drafter.SCORES
+CHAIN = 512  # = drafter.CHAIN: positions of one chunk of TTT steps 1..
 OVERHEAD = 2 * GIB  # CUDA context, cuBLAS workspaces, caching-allocator slack (an assumption)
 # a factor on the derived per-token figure; 1.0: the derivation as is (the CPU check in
 # docs/drafter.md: measured/derived 0.77 in the demo setting; the Kimi setting's first points
@@ -100,20 +106,23 @@ def layer_bytes(s: Shape, dtype: str) -> float:
 def per_token(s: Shape, dtype: str, host_batch: bool = False) -> float:
     """Derived bytes per token of one micro-batch (before CALIBRATION). host_batch: the
     collated batch lives in the same memory (CPU training), fp32."""
-    a, n, h = act_bytes(dtype), s.steps, s.hidden
+    a, h = act_bytes(dtype), s.hidden
     kv = s.kv_heads * s.head_dim
     inputs = 3 * s.target_hidden * a + 4 * s.target_hidden
     if host_batch:  # fp32 aux and final states collated; on CPU fp32 they are the same tensors
         inputs = 16 * s.target_hidden + (3 * s.target_hidden * a if a != 4 else 0)
-    kept = h * a + n * (2 * h + 2 * kv) * a  # features; per step output, trained rows, k, v
-    grads = (n + 1) * h * a + (n - 1) * 2 * kv * a  # trained rows, hidden; earlier k, v
-    return inputs + kept + grads + layer_bytes(s, dtype)
+    kept = (2 * h + 2 * kv) * a  # fused features; step 0's output, keys, values
+    chunks = (h + 4 * kv) * a  # gradients of step 0's output, keys and values (twice)
+    first = (h + 2 * kv) * a + layer_bytes(s, dtype)  # the same gradients; step 0's layer
+    return inputs + kept + max(chunks, first)
 
 
 def fixed_bytes(s: Shape, dtype: str) -> dict[str, float]:
     """The fixed part, itemised (bytes)."""
     p = s.trainable()
     rows = max(1, LOGITS // s.draft_vocab)
+    kv = s.kv_heads * s.head_dim
+    chain_step = layer_bytes(s, dtype) + (2 * s.hidden + 2 * kv) * act_bytes(dtype)
     return {
         "weights (fp32)": 4 * p,
         "gradients (fp32)": 4 * p,
@@ -124,6 +133,7 @@ def fixed_bytes(s: Shape, dtype: str) -> dict[str, float]:
         * s.target_hidden
         + act_bytes(dtype) * (s.vocab - s.draft_vocab) * s.target_hidden,
         "loss and attention chunks": 6 * 4 * rows * s.draft_vocab + 4 * 4 * SCORES,
+        "TTT steps 1.. of one chunk of positions": CHAIN * (s.steps - 1) * chain_step,
     }
 
 

@@ -35,7 +35,6 @@ import torch.nn.functional as F
 from safetensors.torch import save_file
 from torch import Tensor
 from torch.nn.parallel import DistributedDataParallel as DDP
-from torch.utils.checkpoint import checkpoint
 
 from eaglet.device import resolve_dtype
 from eaglet.errors import EagletError
@@ -43,7 +42,7 @@ from eaglet.formats.atomic import atomic_path, write_text
 from eaglet.formats.io import write_json
 from eaglet.graph.keys import Keys, Spec, sidecar_of
 from eaglet.model import target_head, train_memory
-from eaglet.model.drafter import Drafter, DrafterConfig
+from eaglet.model.drafter import Drafter, DrafterConfig, Score, recomputed
 from eaglet.model.target import TargetSpec, load_head, pick_device
 from eaglet.model.target_head import TargetHead, shift
 from eaglet.params import Params
@@ -62,23 +61,19 @@ def at(x: Tensor, mask: Tensor, n: int) -> Tensor:
     return x[:, n:][mask[:, : x.shape[1] - n]]
 
 
-def ttt_sums(
-    model: Drafter, states: list[Tensor], last: Tensor, masks: list[Tensor], head: TargetHead
-) -> tuple[Tensor, Tensor]:
-    """Per step: the summed soft cross-entropy and the count of top-1 hits, over valid positions.
-    states[k] [N_k, H] are step k's states at the positions of masks[k] (the drafter's forward
-    with head=False); the target's distribution there comes from last [B, T, Ht] one position on.
+def scorer(model: Drafter, masks: list[Tensor], last: Tensor, head: TargetHead) -> Score:
+    """score(k, states, start) for Drafter.forward: the summed soft cross-entropy and the count
+    of top-1 hits of TTT step k at positions start.. (its states [B, c, H] there), over the
+    positions of masks[k]; the target's distribution comes from last [B, T, Ht] one position on.
 
     Positions go in chunks of at most LOGITS logits (target_head), each forming its logits and
     p, using and dropping them; under autograd, when there is more than one chunk, a chunk is
-    recomputed in backward rather than kept, so memory does not grow with draft vocab x TTT
-    steps. When every position read fits one chunk, p is formed once for them all and shared by
-    the steps."""
+    recomputed in backward rather than kept, so memory does not grow with the draft vocab. When
+    every position read fits one chunk, p is formed once for them all and shared by the steps."""
     rows = max(1, target_head.LOGITS // len(head.draft))
     flat = last.flatten(0, 1)
     index = torch.arange(len(flat), device=last.device).view(last.shape[:2])
-    reads = [at(index, mk, k + 1) for k, mk in enumerate(masks)]  # where each step's p is
-    read = torch.cat(reads).unique()
+    read = torch.cat([at(index, mk, k + 1) for k, mk in enumerate(masks)]).unique()
     p_read = slot = None
     if len(read) <= rows:  # a short batch: p formed once for every position read, shared
         slot = torch.zeros(len(flat), dtype=torch.long, device=last.device)
@@ -90,16 +85,16 @@ def ttt_sums(
         p = head.p(flat[where]) if p_read is None else p_read[slot[where]]
         return -(p * F.log_softmax(logits, dim=-1)).sum(), (logits.argmax(-1) == p.argmax(-1)).sum()
 
-    ce, hits = [], []
-    for sk, where in zip(states, reads, strict=True):
-        chunks = list(zip(sk.split(rows), where.split(rows), strict=True))
-        recompute = torch.is_grad_enabled() and len(chunks) > 1
-        parts = [
-            checkpoint(sums, *c, use_reentrant=False) if recompute else sums(*c) for c in chunks
-        ]
-        ce.append(torch.stack([c for c, _ in parts]).sum())  # an empty step: one empty chunk
-        hits.append(torch.stack([h for _, h in parts]).sum())
-    return torch.stack(ce), torch.stack(hits).float()
+    def score(k: int, states: Tensor, start: int) -> tuple[Tensor, Tensor]:
+        span = slice(start, start + states.shape[1])
+        mask = masks[k][:, span]
+        where = (index[:, span] + k + 1)[mask]  # p of token t+k+2 sits at t+k+1
+        chunks = list(zip(states[mask].split(rows), where.split(rows), strict=True))
+        parts = [recomputed(sums, *c) if len(chunks) > 1 else sums(*c) for c in chunks]
+        # an empty step: one empty chunk
+        return torch.stack([c for c, _ in parts]).sum(), torch.stack([h for _, h in parts]).sum()
+
+    return score
 
 
 def overlong(readers: list, refs: list, hp: dict) -> tuple[list, dict]:
@@ -195,10 +190,11 @@ def ttt_batch(model, b: dict, steps: int, head: TargetHead, run: Run) -> tuple[T
     drafter or its DDP wrapper. Its aux states go to the device in the compute dtype (what
     autocast casts them to anyway), the final states in fp32."""
     aux = b["aux"].to(run.device, getattr(torch, run.dtype))
+    drafter = model.module if isinstance(model, DDP) else model
     with run.autocast():
-        states = model(aux, b["input_ids"], steps, b["masks"], head=False)
-        drafter = model.module if isinstance(model, DDP) else model
-        return ttt_sums(drafter, states, b["last"].to(run.device), b["masks"], head)
+        score = scorer(drafter, b["masks"], b["last"].to(run.device), head)
+        ce, hits = model(aux, b["input_ids"], steps, score)
+    return ce, hits.float()
 
 
 def heldout(model: Drafter, readers, refs, hp: dict, head: TargetHead, run: Run) -> dict:
