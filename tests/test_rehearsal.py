@@ -3,14 +3,15 @@
 `examples/kimi-k2.5.params.yaml` itself, extended by an overlay that swaps only what cannot
 exist here: the target (a miniature Kimi-shaped model: `text_config` DeepSeek-V3 MLA + MoE,
 `language_model.` prefix, sharded), the endpoints (one loopback server answering both SGLang
-`/generate` and OpenRouter's chat route with the miniature's real greedy answers), the sizes
-(a few samples per dataset, short answers, a small token budget, 2 DDP processes on gloo), and
-two engine placements the miniature cannot take on this CPU:
-- hidden states: the example's operator vLLM (extract_hidden_states + spool) becomes an SGLang
-  pair (aux + last state, `tests/sglang_server.py`: real forward passes of the miniature);
-- evaluation: the example's vLLM TP 8 becomes the in-process decoder (`engine: none`,
-  `in_process: true`): vLLM's CPU MLA kernel runs only Kimi's own latent (512 + 64), not the
-  miniature's (16 + 8). A miniature with Kimi's latent puts both back on vLLM.
+`/generate` and OpenRouter's chat route with the miniature's real greedy answers; the
+operator's vLLM engine for hidden states, started here as the example's comment says: the
+extract_hidden_states method writing to a spool, on this CPU eaglet's CPU copy of vLLM's
+connector, fp32), the sizes (a few samples per dataset, short answers, a small token budget,
+2 DDP processes on gloo), and one engine placement the miniature cannot take on this CPU:
+evaluation, the example's vLLM TP 8, becomes the in-process decoder (`engine: none`,
+`in_process: true`). vLLM's CPU build does not start EAGLE-3 on an MLA target: its CPU MLA
+backend pages the KV cache in blocks of 16, the drafter's attention backend in multiples of 32,
+and speculative decoding needs one size (docs/targets.md).
 The raw files are written here, one per format, at the example's own paths and extensions
 (.jsonl, .parquet, .json, .jsonl.gz, .jsonl.zst). Everything else is the example's: both
 generation backends, B2's token budget, the dollar budget, fp8 + zstd storage, the drafter's
@@ -30,6 +31,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from eaglet.engines.vllm import PROBE_IDS, Engine, ServeConfig
 from eaglet.formats.datasets import BadRow, to_messages
 from eaglet.formats.readers import iter_rows
 from eaglet.graph.keys import Keys
@@ -40,7 +42,7 @@ from .conftest import FIXTURES, ROOT
 from .kimi_fixture import tiny_kimi
 from .sglang_server import SGLangServer
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.engine]  # the operator's vLLM engine
 
 EXAMPLE = ROOT / "examples" / "kimi-k2.5.params.yaml"
 KEY = "sk-rehearsal"
@@ -80,8 +82,8 @@ def write_raw(root: Path, params_file: Path) -> None:
         assert rows, name
 
 
-def overlay(gen: str, aux: str, full: str, base: Path = EXAMPLE) -> str:
-    """The smoke overlay: target, endpoints, sizes, and the two engine swaps (module doc)."""
+def overlay(gen: str, engine: str, spool: Path, base: Path = EXAMPLE) -> str:
+    """The smoke overlay: target, endpoints, sizes, and the one engine swap (module doc)."""
     smaller = {ds: {"max_samples": 4} for ds in yaml.safe_load(base.read_text())["datasets"]}
     smaller["B2_opencodeinstruct"] = {"max_samples": 4, "token_budget": 12}  # stops B2 early
     smaller["A1_deepswekimi"] = {"max_samples": 4, "max_length": 256, "max_new_tokens": 8}
@@ -93,7 +95,13 @@ def overlay(gen: str, aux: str, full: str, base: Path = EXAMPLE) -> str:
             "openrouter": {"base_url": f"{gen}/v1", "concurrency": 2, "timeout_s": 60},
         },
         "generation": {"max_new_tokens": 8},
-        "hidden": {"backend": "sglang", "url": aux, "last_url": full, "spool": None},
+        # the operator's engine here runs fp32 (vLLM's CPU reference MLA kernel)
+        "hidden": {
+            "url": engine,
+            "spool": str(spool),
+            "concurrency": 2,
+            "compute_dtype": "float32",
+        },
         "datasets": smaller,
         "drafters": {
             DRAFTER: {
@@ -123,9 +131,32 @@ def rehearse(root: Path, params_file: str) -> subprocess.CompletedProcess:
     return subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=2700)
 
 
+def operator_engine(spec, spool: Path, log: Path) -> Engine:
+    """The example's `vllm serve` for hidden states, as its comment has it, for the miniature:
+    SGLang's default aux layers for 8 layers [1, 3, 4] as vLLM ids + 1, and N = 8."""
+    serve = ServeConfig.of(
+        spec,
+        max_model_len=257,  # A1's max_length 256, + 1
+        max_num_seqs=2,
+        threads=1,
+        speculative={
+            "method": "extract_hidden_states",
+            "num_speculative_tokens": 1,
+            "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": [2, 4, 5, 8]}},
+        },
+        kv_transfer={
+            "kv_connector": "CPUHiddenStatesConnector",  # on GPUs: ExampleHiddenStatesConnector
+            "kv_connector_module_path": "eaglet.engines.hidden_connector",
+            "kv_role": "kv_producer",
+            "kv_connector_extra_config": {"shared_storage_path": str(spool)},
+        },
+    )
+    return Engine(serve, log=log)
+
+
 @pytest.fixture(scope="module")
 def servers(tmp_path_factory):
-    """The miniature target and its three loopback servers (generation, aux and last states)."""
+    """The miniature target, its loopback generation server and the operator's vLLM engine."""
     import torch
 
     torch.set_num_threads(1)
@@ -133,19 +164,19 @@ def servers(tmp_path_factory):
     target = tiny_kimi(root / "target")  # its own tokenizer class: trusted, as the example says
     spec = resolve(str(target), trust=True)
     model, tok = load_model(spec, "cpu", "float32"), load_tokenizer(spec)
-    layers = [1, 3, 4]  # SGLang's default for 8 layers: [1, N//2 - 1, N - 4]
+    spool = root / "spool"
+    spool.mkdir()
     with (
         SGLangServer(model, "generate", tokenizer=tok, api_key=KEY) as gen,
-        SGLangServer(model, "aux", layers) as aux,
-        SGLangServer(model, "full", layers) as full,
+        operator_engine(spec, spool, root / "vllm.log") as engine,
     ):
-        yield root, gen, aux, full
+        yield root, gen, engine, spool
 
 
 def test_the_example_runs_to_the_end(servers):
-    root, gen, aux, full = servers
+    root, gen, engine, spool = servers
     write_raw(root, EXAMPLE)
-    (root / "smoke.yaml").write_text(overlay(gen.url, aux.url, full.url))
+    (root / "smoke.yaml").write_text(overlay(gen.url, engine.url, spool))
     r = rehearse(root, "smoke.yaml")
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-6000:]
     params = load(root / "smoke.yaml")
@@ -167,8 +198,21 @@ def test_the_example_runs_to_the_end(servers):
     b2 = side["B2_opencodeinstruct"]["stats"]  # 8-token answers against a 12-token budget
     assert b2["stopped_by"] == "token_budget" and b2["responses"] < b2["prompts"]
     assert all(s["stats"]["cost"] > 0 for d, s in side.items() if d.startswith("B"))
-    # hidden states through the SGLang pair, every sequence once to each
-    assert aux.requests == full.requests > 0
+    # hidden states from the operator's engine: every sequence prefilled there once (and one
+    # probe per dataset), its files read and removed from the spool
+    tokens = 0
+    for ds in params.datasets:
+        manifest = json.loads((keys.path("hidden", ds) / "manifest.json").read_text())
+        assert manifest["last"]["how"].startswith("last layer output from the engine"), ds
+        tokens += sum(s["tokens"] for s in manifest["samples"])
+    prefilled = sum(
+        float(line.split()[-1])
+        for line in engine.metrics().splitlines()
+        if line.startswith("vllm:prompt_tokens_total")
+    )
+    probes = len(PROBE_IDS) * len(params.datasets)  # at most one a dataset
+    assert tokens + len(PROBE_IDS) <= prefilled <= tokens + probes
+    assert not any(spool.iterdir())
     train = json.loads(keys.sidecar("train", DRAFTER).read_text())
     assert train["provenance"]["params"]["train"]["processes"] == 2
     assert train["stats"]["processes"] == 2
@@ -182,7 +226,7 @@ def test_the_example_runs_to_the_end(servers):
 def test_a_broken_example_fails_the_rehearsal(servers, tmp_path):
     """The example with A1's format changed to one its file is not in: the rehearsal fails at
     that dataset's prompts stage, and says so."""
-    root, gen, aux, full = servers
+    root, gen, engine, spool = servers
     broken = tmp_path / "kimi-k2.5.params.yaml"
     text = EXAMPLE.read_text()
     a1 = "deepswekimi.jsonl.zst\n    format: agent"
@@ -190,7 +234,7 @@ def test_a_broken_example_fails_the_rehearsal(servers, tmp_path):
     broken.write_text(text.replace(a1, a1.replace("agent", "sharegpt")))
     write_raw(tmp_path, EXAMPLE)
     shutil.copytree(root / "target", tmp_path / "target")  # inside the project, as its own
-    (tmp_path / "smoke.yaml").write_text(overlay(gen.url, aux.url, full.url, broken))
+    (tmp_path / "smoke.yaml").write_text(overlay(gen.url, engine.url, spool, broken))
     r = rehearse(tmp_path, "smoke.yaml")
     assert r.returncode != 0
     assert (
