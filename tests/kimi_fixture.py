@@ -226,3 +226,28 @@ def tiny_kimi(path: Path, shards: int = 3, seed: int = 0) -> Path:
     (path / "preprocessor_config.json").write_text(json.dumps(PREPROCESSOR, indent=2))
     write_tokenizer(path)
     return path
+
+
+def operator_engine(spec, spool: Path, log: Path, connector: tuple[str, str], **serve):
+    """An operator's vLLM engine of the miniature for hidden states, started as
+    examples/kimi-k2.5.params.yaml's comment says: extract_hidden_states for SGLang's default
+    aux layers of 8 layers [1, 3, 4] as vLLM ids + 1 and N = 8, `connector` (class, module)
+    writing to `spool`. `serve`: ServeConfig's sizes."""
+    from eaglet.engines.vllm import Engine, ServeConfig
+
+    config = ServeConfig.of(
+        spec,
+        **serve,
+        speculative={
+            "method": "extract_hidden_states",
+            "num_speculative_tokens": 1,
+            "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": [2, 4, 5, 8]}},
+        },
+        kv_transfer={
+            "kv_connector": connector[0],
+            "kv_connector_module_path": connector[1],
+            "kv_role": "kv_producer",
+            "kv_connector_extra_config": {"shared_storage_path": str(spool)},
+        },
+    )
+    return Engine(config, log=log)

@@ -34,7 +34,7 @@ from eaglet.params import load
 from eaglet.stages import hidden
 
 from .conftest import write_params
-from .kimi_fixture import PREFIX, SPECIAL, TEXT, THINK, VOCAB, WRAPPER, tiny_kimi
+from .kimi_fixture import PREFIX, SPECIAL, TEXT, THINK, VOCAB, WRAPPER, operator_engine, tiny_kimi
 
 TOOLS = [
     {
@@ -438,31 +438,18 @@ def test_vllm_states_equal_the_transformers_backend_on_the_miniature(kimi, proje
 def test_an_engine_that_drops_the_final_layer_is_stopped_by_the_probe(kimi, tmp_path):
     """An operator's engine whose connector drops id N (vLLM before PR #46973 on DeepSeek-family
     models): the hidden stage's probe stops it, naming the vLLM version that captures it."""
-    from eaglet.engines.vllm import Engine, ServeConfig, VLLMHidden
+    from eaglet.engines.vllm import VLLMHidden
 
     spool = tmp_path / "spool"
     spool.mkdir()
     target = resolve(str(kimi), trust=True)
-    serve = ServeConfig.of(
-        target,
-        max_model_len=64,
-        max_num_seqs=1,
-        threads=2,
-        speculative={
-            "method": "extract_hidden_states",
-            "num_speculative_tokens": 1,
-            "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": [2, 4, 5, 8]}},
-        },
-        kv_transfer={
-            "kv_connector": "DropFinalLayer",
-            "kv_connector_module_path": "tests.old_vllm_connector",
-            "kv_role": "kv_producer",
-            "kv_connector_extra_config": {"shared_storage_path": str(spool)},
-        },
+    dropping = ("DropFinalLayer", "tests.old_vllm_connector")
+    engine = operator_engine(
+        target, spool, tmp_path / "vllm.log", dropping, max_model_len=64, max_num_seqs=1, threads=2
     )
     cfg = {"url": None, "spool": str(spool), "model": "target", "concurrency": 1}
     cfg |= {"timeout_s": 120, "max_retries": 0, "backoff_s": 1.0, "backoff_max_s": 1.0}
-    with Engine(serve, log=tmp_path / "vllm.log") as engine:
+    with engine:
         cfg["url"] = engine.url
         with pytest.raises(EagletError, match=r"returned 3 hidden layers .* 0\.32\.0 .*#46973"):
             VLLMHidden(target, cfg, [1, 3, 4], 8, "float32", 64)

@@ -31,7 +31,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from eaglet.engines.vllm import PROBE_IDS, Engine, ServeConfig
+from eaglet.engines.vllm import PROBE_IDS
 from eaglet.formats.datasets import BadRow, to_messages
 from eaglet.formats.readers import iter_rows
 from eaglet.graph.keys import Keys
@@ -39,13 +39,16 @@ from eaglet.model.target import load_model, load_tokenizer, resolve
 from eaglet.params import load
 
 from .conftest import FIXTURES, ROOT
-from .kimi_fixture import tiny_kimi
+from .kimi_fixture import operator_engine, tiny_kimi
 from .sglang_server import SGLangServer
 
 pytestmark = [pytest.mark.slow, pytest.mark.engine]  # the operator's vLLM engine
 
 EXAMPLE = ROOT / "examples" / "kimi-k2.5.params.yaml"
 KEY = "sk-rehearsal"
+# on GPUs vLLM's own ExampleHiddenStatesConnector; here eaglet's CPU copy of it
+CPU_CONNECTOR = ("CPUHiddenStatesConnector", "eaglet.engines.hidden_connector")
+ENGINE = {"max_model_len": 257, "max_num_seqs": 2, "threads": 1}  # A1's max_length 256, + 1
 DRAFTER = "kimi_k25_eagle3"
 
 
@@ -131,29 +134,6 @@ def rehearse(root: Path, params_file: str) -> subprocess.CompletedProcess:
     return subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=2700)
 
 
-def operator_engine(spec, spool: Path, log: Path) -> Engine:
-    """The example's `vllm serve` for hidden states, as its comment has it, for the miniature:
-    SGLang's default aux layers for 8 layers [1, 3, 4] as vLLM ids + 1, and N = 8."""
-    serve = ServeConfig.of(
-        spec,
-        max_model_len=257,  # A1's max_length 256, + 1
-        max_num_seqs=2,
-        threads=1,
-        speculative={
-            "method": "extract_hidden_states",
-            "num_speculative_tokens": 1,
-            "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": [2, 4, 5, 8]}},
-        },
-        kv_transfer={
-            "kv_connector": "CPUHiddenStatesConnector",  # on GPUs: ExampleHiddenStatesConnector
-            "kv_connector_module_path": "eaglet.engines.hidden_connector",
-            "kv_role": "kv_producer",
-            "kv_connector_extra_config": {"shared_storage_path": str(spool)},
-        },
-    )
-    return Engine(serve, log=log)
-
-
 @pytest.fixture(scope="module")
 def servers(tmp_path_factory):
     """The miniature target, its loopback generation server and the operator's vLLM engine."""
@@ -168,7 +148,7 @@ def servers(tmp_path_factory):
     spool.mkdir()
     with (
         SGLangServer(model, "generate", tokenizer=tok, api_key=KEY) as gen,
-        operator_engine(spec, spool, root / "vllm.log") as engine,
+        operator_engine(spec, spool, root / "vllm.log", CPU_CONNECTOR, **ENGINE) as engine,
     ):
         yield root, gen, engine, spool
 
