@@ -1,14 +1,18 @@
-"""Claim: vLLM's sampled acceptance of a drafter falls toward its greedy acceptance as the
-temperature falls to 0 (at temperature 0.001 the target's distribution is one-hot on its argmax).
+"""Claim: vLLM's sampled acceptance of a drafter is eaglet's own decoder's under the same rule
+(argmax proposals, the standard rejection rule), at every temperature, and falls toward its
+greedy acceptance as the temperature falls to 0. Before eaglet's vLLM plugin (which mends the
+CPU build's `expand_kernel` stand-in) the CPU engine accepted almost nothing at any temperature.
 
 On a built demo (`make demo`), in one run: vLLM serving the target with the demo's vLLM export
 (3 steps) answers the first 16 natural held-out prompts (96 new tokens, 16 in flight) greedy,
 then seeded (request i: seed i, as eaglet's evaluation sends them) at each temperature, and once
 at 0.7 without a seed; per run, the engine's /metrics counter deltas (accepted / proposed draft
-tokens, acceptance length), as eaglet.stages.engine_eval reads them.
+tokens, acceptance length), as eaglet.stages.engine_eval reads them. Beside each, eaglet's own
+speculative decoding of the same prompts with the trained drafter (fp32), over `--seeds` seeds:
+their mean and range. `VLLM_PLUGINS=none` runs the engine as it ships.
 
     .venv/bin/python benchmarks/sampled_acceptance.py [--params params.yaml] [--drafter demo]
-        [--temperatures 0.001 0.3 0.7] [--threads 2]
+        [--temperatures 0.01 0.3 0.7] [--seeds 3] [--threads 2]
 """
 
 from __future__ import annotations
@@ -19,6 +23,8 @@ import sys
 import time
 from pathlib import Path
 
+import torch
+
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 
@@ -26,9 +32,10 @@ from eaglet.engines.vllm import Engine, ServeConfig, eagle3, spec_counters, targ
 from eaglet.formats.chat import prompt_ids  # noqa: E402
 from eaglet.formats.io import read_jsonl  # noqa: E402
 from eaglet.graph.keys import Keys  # noqa: E402
-from eaglet.model.target import load_tokenizer, materialize, spec_of  # noqa: E402
+from eaglet.model import speculative  # noqa: E402
+from eaglet.model.target import load_model, load_tokenizer, materialize, spec_of  # noqa: E402
 from eaglet.params import load  # noqa: E402
-from eaglet.stages import engine_eval  # noqa: E402
+from eaglet.stages import engine_eval, train  # noqa: E402
 
 PROMPTS, NEW_TOKENS, STEPS = 16, 96, 3
 
@@ -45,11 +52,24 @@ def unseeded(engine: Engine, prompts: list[list[int]], stop: list[int], t: float
     return {"counters": spec_counters(engine.metrics()) - before}
 
 
+def own(target: speculative.Target, drafter, prompts, stop: list[int], t: float, seeds: int):
+    """eaglet's decoder at temperature t (greedy at 0), one run per seed: 1 + accepted / rounds."""
+    out = []
+    for seed in range(seeds if t else 1):
+        rule = speculative.Sampling(t, torch.Generator().manual_seed(seed)) if t else None
+        runs = speculative.decode(
+            target, prompts, NEW_TOKENS, set(stop), drafter, STEPS, None, rule
+        )
+        out.append(speculative.acceptance(runs, STEPS)["mean_acceptance_length"])
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--params", type=Path, default=ROOT / "params.yaml")
     ap.add_argument("--drafter", default="demo")
-    ap.add_argument("--temperatures", type=float, nargs="+", default=[0.001, 0.3, 0.7])
+    ap.add_argument("--temperatures", type=float, nargs="+", default=[0.01, 0.3, 0.7])
+    ap.add_argument("--seeds", type=int, default=3)
     ap.add_argument("--threads", type=int, default=2)
     args = ap.parse_args()
     params = load(args.params)
@@ -79,15 +99,22 @@ def main() -> None:
                 r = engine_eval.run(engine, "target", prompts, NEW_TOKENS, stop, PROMPTS, t, 0)
             else:
                 r = unseeded(engine, prompts, stop, t)
-            m = r["counters"].summary()
-            table.append({"temperature": label, **m})
-    print(json.dumps({"date": time.strftime("%Y-%m-%d"), "runs": table}, indent=2))
-    print("\n| temperature | accepted draft tokens / proposed | acceptance length |")
-    print("|---|---|---|")
+            table.append({"temperature": label, "t": t, **r["counters"].summary()})
+    torch.set_num_threads(args.threads)
+    drafter = train.load(Keys(params).path("train", args.drafter))
+    target = speculative.Target(load_model(spec, "cpu", "float32"), list(drafter.cfg.aux_layer_ids))
+    mine = {t: own(target, drafter, prompts, stop, t, args.seeds) for t in {m["t"] for m in table}}
     for m in table:
+        m["eaglet"] = mine[m["t"]]
+    print(json.dumps({"date": time.strftime("%Y-%m-%d"), "runs": table}, indent=2))
+    print("\n| temperature | vLLM: accepted / proposed | vLLM | eaglet, mean (range) |")
+    print("|---|---|---|---|")
+    for m in table:
+        e = m["eaglet"]
+        spread = f" ({min(e):.3f}-{max(e):.3f})" if len(e) > 1 else ""
         print(
             f"| {m['temperature']} | {m['accepted_tokens']:,} / {m['draft_tokens']:,} | "
-            f"{m['acceptance_length']:.3f} |"
+            f"{m['acceptance_length']:.3f} | {sum(e) / len(e):.3f}{spread} |"
         )
 
 

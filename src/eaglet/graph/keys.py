@@ -76,7 +76,9 @@ STAGES: dict[str, Stage] = {
         ),
         Stage("vocab", "eaglet.stages.vocab", ".safetensors", "drafter"),
         Stage("train", "eaglet.stages.train", "/", "drafter"),
-        Stage("evaluate", "eaglet.stages.evaluate", "/", "drafter"),
+        Stage(
+            "evaluate", "eaglet.stages.evaluate", "/", "drafter", ("eaglet.engines.vllm_plugin",)
+        ),
         Stage("sglang", "eaglet.stages.export", "/", "drafter"),
         Stage("vllm", "eaglet.stages.export", "/", "drafter"),
     ]

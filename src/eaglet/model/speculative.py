@@ -9,12 +9,13 @@ then reads the target's features of the new positions (step-0 entries, as in tra
 proposes again. Acceptance length, SGLang's definition: generated tokens / verification rounds,
 the bonus token included.
 
-Sampling at temperature T (`Sampling`): the drafter samples each proposal x_k from its own
-distribution q_k (softmax of its logits / T over the draft vocabulary); the target accepts it
-with probability min(1, p_k(x_k) / q_k(x_k)), p_k its softmax / T, and at the first rejection
-samples from the residual max(p_k - q_k, 0) normalized; with every proposal accepted the bonus
-token is sampled from p. That is the standard rejection rule (Leviathan et al. 2023, Chen et al.
-2023): each emitted token is distributed as the target's own sampling would emit it.
+Sampling at temperature T (`Sampling`), the rule vLLM (`draft_sample_method: greedy`, its
+default) and SGLang (target-only verification) serve with: the drafter proposes its argmax, so its
+distribution is one-hot; the target accepts proposal x_k with probability p_k(x_k), p_k its
+softmax / T, and at the first rejection samples from p_k with x_k removed, renormalized; with
+every proposal accepted the bonus token is sampled from p. That is the standard rejection rule
+(Leviathan et al. 2023, Chen et al. 2023) for a deterministic draft: each emitted token is
+distributed as the target's own sampling would emit it, and the acceptance is the engine's.
 
 Batching: the rows share one target KV cache that grows by `num_steps + 1` slots a round.
 Prompts are left-padded; a row's padding and its rejected proposals stay in the cache as slots
@@ -56,14 +57,15 @@ class Sampling:
     def draw(self, probs: Tensor) -> int:
         return int(torch.multinomial(probs.cpu(), 1, generator=self.generator))
 
-    def accept(self, p: Tensor, q: Tensor, drafts: list[int]) -> tuple[int, int]:
-        """The rejection rule over one chain: target distributions `p` [K + 1, V] (the last
-        for the bonus token), draft distributions `q` [K, V] (target ids), the proposals drawn
-        from q. Returns (proposals accepted, the token emitted after them)."""
+    def accept(self, p: Tensor, drafts: list[int]) -> tuple[int, int]:
+        """The rejection rule over one chain of argmax proposals: target distributions `p`
+        [K + 1, V] (the last for the bonus token). Returns (proposals accepted, the token
+        emitted after them)."""
         u = torch.rand(len(drafts), generator=self.generator)
         for k, x in enumerate(drafts):
-            if u[k] * q[k, x] >= p[k, x]:  # rejected: u >= p / q
-                residual = (p[k] - q[k]).clamp(min=0)
+            if u[k] >= p[k, x]:  # rejected: u >= p / q with q one-hot
+                residual = p[k].clone()
+                residual[x] = 0.0
                 return k, self.draw(residual / residual.sum())
         return len(drafts), self.draw(p[len(drafts)])
 
@@ -202,8 +204,7 @@ def _batch(
             cache.batch_select_indices(index)
             mask = mask[index]
             live = [live[j] for j in keep]
-        chains = [_chain(drafter, rows[i], num_steps, dev, sampling) for i in live]
-        drafts = [d for d, _ in chains]
+        drafts = [_chain(drafter, rows[i], num_steps, dev) for i in live]
         ids = torch.tensor(
             [[rows[i].tokens[-1], *d] for i, d in zip(live, drafts, strict=True)], device=dev
         )
@@ -212,9 +213,9 @@ def _batch(
         past = mask.shape[1]
         mask = torch.cat([mask, torch.ones_like(ids, dtype=torch.bool)], dim=1)
         logits, aux = target.forward(ids, pos, mask, cache, drafter is not None)
-        for j, (i, (d, q)) in enumerate(zip(live, chains, strict=True)):
+        for j, (i, d) in enumerate(zip(live, drafts, strict=True)):
             row = rows[i]
-            n, nxt = _verify(logits[j], d, q, sampling)
+            n, nxt = _verify(logits[j], d, sampling)
             mask[j, past + n + 1 :] = False  # the rejected proposals' slots
             new = [*d[:n], nxt]
             if drafter is not None:
@@ -228,16 +229,12 @@ def _batch(
             row.tokens += new
 
 
-def _verify(
-    logits: Tensor, drafts: list[int], q: Tensor | None, sampling: Sampling | None
-) -> tuple[int, int]:
+def _verify(logits: Tensor, drafts: list[int], sampling: Sampling | None) -> tuple[int, int]:
     """(proposals accepted, the target's token after them) for one row's chain, the target's
     `logits` [K + 1, V] at the verified token and each proposal: the longest prefix equal to
-    its argmax, or the rejection rule when sampling (q: the draft distributions)."""
-    if sampling is not None and drafts:
-        return sampling.accept(sampling.probs(logits), q, drafts)
+    its argmax, or the rejection rule when sampling."""
     if sampling is not None:
-        return 0, sampling.draw(sampling.probs(logits[0]))
+        return sampling.accept(sampling.probs(logits), drafts)
     best = logits.argmax(-1).tolist()
     n = 0
     while n < len(drafts) and drafts[n] == best[n]:
@@ -245,28 +242,19 @@ def _verify(
     return n, best[n]
 
 
-def _chain(
-    drafter: Drafter | None, row: _Row, num_steps: int, dev, sampling: Sampling | None
-) -> tuple[list[int], Tensor | None]:
-    """The drafter's chain of `num_steps` proposals from the row's last verified position:
-    argmax, or drawn from its distributions when sampling (returned over target ids)."""
+def _chain(drafter: Drafter | None, row: _Row, num_steps: int, dev) -> list[int]:
+    """The drafter's chain of `num_steps` argmax proposals (target ids) from the row's last
+    verified position."""
     if drafter is None:
-        return [], None
-    last, drafts, qs = row.last, [], []
+        return []
+    last, drafts = row.last, []
     for k in range(num_steps):  # position verified - 1 + k reads draft k - 1
-        logits = drafter.logits(last).reshape(-1)
-        if sampling is None:
-            draft = drafter.to_target(logits.argmax(-1, keepdim=True))
-        else:
-            q = sampling.probs(logits)
-            draft = drafter.to_target(torch.tensor([sampling.draw(q)], device=dev))
-            full = torch.zeros(drafter.t2d.numel(), device=q.device)
-            qs.append(full.index_copy_(0, drafter.to_target(torch.arange(len(q), device=dev)), q))
+        draft = drafter.to_target(drafter.logits(last).reshape(-1).argmax(-1, keepdim=True))
         drafts.append(int(draft))
         if k + 1 < num_steps:
             p = torch.tensor([row.verified + k], device=dev)
             last = drafter.step(last, draft.reshape(1, 1), p, row.cache)
-    return drafts, torch.stack(qs) if qs else None
+    return drafts
 
 
 def acceptance(results: list[Decoded], num_steps: int) -> dict:

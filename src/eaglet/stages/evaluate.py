@@ -5,7 +5,7 @@ names), real greedy chain speculative decoding (eaglet.model.speculative) of the
 `num_steps`: acceptance length (generated tokens / verification rounds, bonus token included, as
 SGLang counts), acceptance per draft position, and the check that every output equals plain
 greedy decoding of the target; and at each sampled temperature, speculative sampling (the
-standard rejection rule). Also a fast offline
+rule the engines serve with: argmax proposals, the standard rejection rule). Also a fast offline
 estimate from the drafter's held-out hidden states: the teacher-forced chain from every
 assistant position (what chain decoding would accept there, without running the target). With
 `engine: vllm`, every suite is run by vLLM serving the target with the drafter's vLLM export
@@ -26,7 +26,6 @@ from pathlib import Path
 
 import torch
 
-from eaglet.device import device_type
 from eaglet.engines.vllm import ServeConfig, target_stop_ids
 from eaglet.errors import EagletError
 from eaglet.formats.atomic import atomic_path
@@ -201,29 +200,16 @@ NOTES = {
     ),
     "eaglet": (
         "eaglet's own decoder: greedy chain decoding checked token for token against plain "
-        "greedy; sampled, the standard rejection rule (eaglet.model.speculative.Sampling), "
-        "seeded by seed + num_steps"
+        "greedy; sampled, the rejection rule vLLM and SGLang serve with, on the drafter's argmax "
+        "proposals (eaglet.model.speculative.Sampling), seeded by seed + num_steps"
     ),
     "sampled": (
         "temperature > 0: vLLM's speculative sampling (rejection sampling against the drafter's "
         "proposals; output distributed as the target's), request i seeded with seed + i; one "
-        "sample per prompt, so the number carries sampling noise"
+        "sample per prompt, so the number carries sampling noise; vLLM's CPU build verifies "
+        "through eaglet's vLLM plugin (eaglet.engines.vllm_plugin)"
     ),
 }
-CPU_ENGINE_SAMPLED = (
-    "vLLM's CPU build accepts almost no drafts at temperature > 0, even at 0.01 where greedy "
-    "verification accepts the same drafter's proposals (docs/evaluation.md, "
-    "benchmarks/sampled_acceptance.py): its sampled numbers here do not measure the drafter; "
-    "eaglet's do"
-)
-
-
-def notes(engine: dict | None, temperatures: list[float]) -> dict:
-    """NOTES, and a warning where eaglet's own CPU engine measured sampled acceptance."""
-    cpu_engine = engine is not None and not engine.get("operator") and device_type("auto") != "cuda"
-    if cpu_engine and any(t > 0 for t in temperatures):
-        return {**NOTES, "sampled_on_the_cpu_engine": CPU_ENGINE_SAMPLED}
-    return NOTES
 
 
 def agreement(own: dict, engine: dict) -> dict:
@@ -437,7 +423,7 @@ def run(spec: Spec, setup: Setup, out: Path) -> Path:
         "suites": per_suite,
         "offline": offline(model, readers, held, lm_head, cfg["num_steps"]),
         "engine": engine,
-        "notes": notes(engine, cfg["temperatures"]),
+        "notes": NOTES,
     }
     drafter_data.close_readers(readers)  # an online reader's engine
     metrics["elapsed_s"] = round(time.monotonic() - t0, 2)
