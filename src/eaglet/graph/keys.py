@@ -48,8 +48,9 @@ LAYOUTS = {
     1: "one flat package",
     2: "modules moved to stages/, model/, formats/, ...",
     3: "code keys without module names (a later move changes none)",
+    4: "the hidden stage's code without online reading (hidden, vocab, train, export, evaluate)",
 }
-LAYOUT = 3
+LAYOUT = 4
 NOT_IN_TRAIN_KEY = ("checkpoint_every", "device", "min_supervised_share")  # no output byte
 
 
