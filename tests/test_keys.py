@@ -220,8 +220,6 @@ EDITS = [
     ("formats/readers.py", "", "\nREAD_NOTE = 1\n", _and_downstream("prompts")),
     ("engines/transformers.py", "", "\nPAD_NOTE = 1\n", _and_downstream("responses")),
     ("formats/hidden_store.py", "", "\nSHARD_NOTE = 1\n", _and_downstream("hidden")),
-    # how training reads states online: the drafter's stages, not the hidden stage's directory
-    ("stages/hidden_online.py", "", "\nFETCH_NOTE = 1\n", _and_downstream("vocab")),
     ("stages/vocab.py", "", "\nVOCAB_NOTE = 1\n", _and_downstream("vocab")),
     ("model/drafter.py", "", "\nLAYER_NOTE = 1\n", _and_downstream("train")),
     ("model/speculative.py", "", "\nDECODE_NOTE = 1\n", {"evaluate"}),

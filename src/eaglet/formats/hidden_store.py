@@ -18,11 +18,6 @@ A directory is built in a `.<name>.partial` sibling: shards are written atomical
 complete shard is appended to `journal.jsonl` (fsync'd), so a killed build resumes from its last
 complete shard; `finish` writes the manifest, drops the journal and renames the directory into
 place, so an existing directory is always a complete one.
-
-In hidden.mode online and hybrid the stage writes a manifest-only directory instead
-(`write_manifest_only`): `manifest.json` with `"shards": []` and `tokens.safetensors`, each
-sample's `input_ids` and `loss_mask`; training takes the states from the engine
-(eaglet.stages.hidden_online).
 """
 
 from __future__ import annotations
@@ -49,7 +44,6 @@ from eaglet.formats.io import write_json
 FORMAT = "eaglet-hidden/1"
 MANIFEST = "manifest.json"
 JOURNAL = "journal.jsonl"
-TOKENS = "tokens.safetensors"  # a manifest-only directory's token ids
 ZSTD_LEVEL = 3
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
@@ -241,20 +235,6 @@ class PartialDir:
             os.fsync(fd)
             os.close(fd)
         return self.final
-
-
-def write_manifest_only(out: Path, manifest: dict, samples: list[dict]) -> Path:
-    """The directory of an online/hybrid hidden stage: manifest and token ids, no states."""
-    with atomic_path(out, directory=True) as tmp:
-        tensors = {}
-        for s in samples:
-            tensors[f"{s['id']}/input_ids"] = torch.as_tensor(s["input_ids"], dtype=torch.int32)
-            tensors[f"{s['id']}/loss_mask"] = torch.as_tensor(s["loss_mask"], dtype=torch.bool)
-        save_file(tensors, str(tmp / TOKENS), metadata={"format": FORMAT})
-        entry = {"name": TOKENS, "bytes": (tmp / TOKENS).stat().st_size}
-        manifest["tokens"] = entry | {"sha256": sha256_file(tmp / TOKENS)}
-        write_json(tmp / MANIFEST, manifest)
-    return out
 
 
 class HiddenReader:

@@ -48,9 +48,8 @@ LAYOUTS = {
     1: "one flat package",
     2: "modules moved to stages/, model/, formats/, ...",
     3: "code keys without module names (a later move changes none)",
-    4: "the hidden stage's code without online reading (hidden, vocab, train, export, evaluate)",
 }
-LAYOUT = 4
+LAYOUT = 3
 NOT_IN_TRAIN_KEY = ("checkpoint_every", "device", "min_supervised_share")  # no output byte
 
 
@@ -119,6 +118,7 @@ PLUMBING = frozenset(
         "eaglet.reports.report",
         "eaglet.reports.status",
         "eaglet.stages.foreign",
+        "eaglet.stages.hidden_setup",  # a Protocol for type hints: no code runs
         "eaglet.stages.hidden_verify",
         "eaglet.stages.preflight",
         "eaglet.stages.supervised",  # a check before training: stops or passes, writes nothing

@@ -26,7 +26,7 @@ from typing import Any
 from eaglet.engines.lookup import hidden_states
 from eaglet.errors import EagletError
 from eaglet.formats.chat import assistant_turn, prompt_ids, stop_ids
-from eaglet.formats.hidden_store import FORMAT, PartialDir, Storage, write_manifest_only
+from eaglet.formats.hidden_store import FORMAT, PartialDir, Storage
 from eaglet.formats.io import dumps, read_jsonl, write_json
 from eaglet.graph.keys import Keys, Spec, sidecar_of
 from eaglet.model.target import TargetSpec, load_config, load_tokenizer
@@ -232,6 +232,8 @@ def run(spec: Spec, setup: Setup, out: Path) -> Path:
     storage = Storage(v["dtype"], v["storage"]["compress"], v["storage"]["fp8"])
     n_aux, hidden = len(ids), target.config.hidden_size
     if v.get("mode", "offline") != "offline":  # the states come from the engine at training
+        from eaglet.stages.hidden_online import write_manifest_only
+
         manifest = _manifest(spec, target, storage, v["compute"].get("dtype"), [], stats)
         manifest["samples"] = [_sample_meta(s, None) for s in samples]
         write_json(sidecar_of(out), {"provenance": spec.provenance(), "stats": stats})

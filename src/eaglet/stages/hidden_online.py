@@ -1,10 +1,9 @@
 """Hidden states without shards: training takes them from the vLLM engine (online), or from the
 engine once and then from shards it writes as they come (hybrid).
 
-In these modes the hidden stage writes a manifest-only directory
-(eaglet.formats.hidden_store.write_manifest_only): `manifest.json` (everything but the shards:
-ids, response hashes, layers, storage, key) and `tokens.safetensors` (each sample's `input_ids`
-and `loss_mask`, 5 bytes a token). `online_readers` turns the stage's
+In these modes the hidden stage writes a manifest-only directory: `manifest.json` (everything
+but the shards: ids, response hashes, layers, storage, key) and `tokens.safetensors` (each
+sample's `input_ids` and `loss_mask`, 5 bytes a token). `online_readers` turns the stage's
 readers into `OnlineReader`s with HiddenReader's interface (`ids`, `manifest`, `get`, `tokens`,
 `close`), so training is unaware of the mode. They share one `Source`: the same `VLLMHidden`
 client and connector as the hidden stage (an engine started here, or `hidden.url`), and a
@@ -35,24 +34,44 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import TYPE_CHECKING
 
+import torch
 from safetensors import safe_open
+from safetensors.torch import save_file
 
 from eaglet.errors import EagletError
+from eaglet.formats.atomic import atomic_path
 from eaglet.formats.hidden_store import (
+    FORMAT,
     JOURNAL,
-    TOKENS,
+    MANIFEST,
     HiddenReader,
     PartialDir,
     Storage,
     decode,
     encode,
+    sha256_file,
 )
-from eaglet.formats.io import dumps
+from eaglet.formats.io import dumps, write_json
 
 if TYPE_CHECKING:
-    from eaglet.stages.hidden import Setup
+    from eaglet.stages.hidden_setup import Setup
 
+TOKENS = "tokens.safetensors"
 Ref = tuple[int, str]
+
+
+def write_manifest_only(out: Path, manifest: dict, samples: list[dict]) -> Path:
+    """The directory of an online/hybrid hidden stage: manifest and token ids, no states."""
+    with atomic_path(out, directory=True) as tmp:
+        tensors = {}
+        for s in samples:
+            tensors[f"{s['id']}/input_ids"] = torch.as_tensor(s["input_ids"], dtype=torch.int32)
+            tensors[f"{s['id']}/loss_mask"] = torch.as_tensor(s["loss_mask"], dtype=torch.bool)
+        save_file(tensors, str(tmp / TOKENS), metadata={"format": FORMAT})
+        entry = {"name": TOKENS, "bytes": (tmp / TOKENS).stat().st_size}
+        manifest["tokens"] = entry | {"sha256": sha256_file(tmp / TOKENS)}
+        write_json(tmp / MANIFEST, manifest)
+    return out
 
 
 def online_readers(setup: Setup, readers: list[HiddenReader]) -> list[OnlineReader]:
