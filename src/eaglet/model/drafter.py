@@ -328,12 +328,12 @@ class Drafter(nn.Module):
         """
         b, t = input_ids.shape
         hidden = self.features(aux)
-        if score is None:
+        if score is None or b * t <= RECOMPUTE:  # every position at once, nothing recomputed
             hidden, k0, v0 = self.ttt_step(hidden, input_ids, 0)
-            return self.chain(hidden, input_ids, steps, k0, v0, 0, lambda k, s, i: self.logits(s))
-        if b * t <= RECOMPUTE:
-            hidden, k0, v0 = self.ttt_step(hidden, input_ids, 0)
-            return self.chain_sums(hidden, input_ids, steps, k0, v0, 0, score)
+            args = (hidden, input_ids, steps, k0, v0, 0)
+            if score is None:
+                return self.chain(*args, lambda k, state, start: self.logits(state))
+            return self.chain_sums(*args, score)
         hidden, k0, v0 = recomputed(self.ttt_step, hidden, input_ids, 0)
         width = max(1, CHAIN // b)
         parts = [
