@@ -53,17 +53,85 @@ def answer_tokens(content, cap: int, spread: int = 24) -> list[int]:
     return ids[:cap]
 
 
+# Words that are one token each in SmolLM2's vocabulary, alone or after a space: an answer of
+# n words is n tokens (+ <|im_end|>), so usage counts what the served model emitted, as a real
+# server's does (tests check it against the target's own tokenizer).
+WORDS = [
+    "the",
+    "of",
+    "and",
+    "to",
+    "in",
+    "is",
+    "that",
+    "for",
+    "it",
+    "as",
+    "with",
+    "was",
+    "on",
+    "be",
+    "by",
+    "at",
+    "this",
+    "from",
+    "or",
+    "have",
+    "an",
+    "are",
+    "not",
+    "but",
+    "had",
+    "his",
+    "they",
+    "you",
+    "which",
+    "one",
+    "were",
+    "all",
+    "we",
+    "her",
+    "she",
+    "there",
+    "can",
+    "been",
+    "has",
+    "more",
+    "if",
+    "will",
+    "would",
+    "who",
+    "so",
+    "what",
+    "their",
+    "no",
+    "out",
+    "up",
+    "said",
+    "about",
+    "into",
+    "when",
+    "them",
+    "some",
+    "could",
+    "him",
+    "time",
+    "only",
+]
+
+
 def openai_answer(messages: list[dict], max_tokens: int) -> dict:
     """What the server answers to a chat request: text, reasoning, tokens, cost, finish."""
     ids = answer_tokens(messages, max_tokens)
-    text = " ".join(f"w{i}" for i in ids if i != EOS)
+    text = " ".join(WORDS[i % len(WORDS)] for i in ids if i != EOS)
     prompt_tokens = len(json.dumps(messages)) // 4
     finish = "stop" if ids[-1] == EOS else "length"
-    cost = round(prompt_tokens * PRICE_PROMPT + len(ids) * PRICE_COMPLETION, 10)
+    completion = len(ids)
+    cost = round(prompt_tokens * PRICE_PROMPT + completion * PRICE_COMPLETION, 10)
     return {
         "text": text,
         "reasoning": f"thinking about {len(messages)} messages",
-        "completion_tokens": len(ids),
+        "completion_tokens": completion,
         "prompt_tokens": prompt_tokens,
         "finish_reason": finish,
         "cost": cost,
@@ -195,7 +263,8 @@ class FakeLLM:
         a = openai_answer(req["messages"], req["max_tokens"])
         provider = (req.get("provider") or {}).get("order", ["fakeprov"])[0]
         message = {"role": "assistant", "content": a["text"]}
-        if "reasoning" in req:
+        switch = req.get("reasoning") or {}
+        if switch and switch.get("effort") != "none" and switch.get("enabled", True):
             message["reasoning"] = a["reasoning"]
         return {
             "id": "gen-" + _digest(req["messages"])[:16],

@@ -38,6 +38,8 @@ SPECIAL = {
     21: "<|media_pad|>", 22: "<think>", 23: "</think>", 254: "[UNK]", 255: "[PAD]",
 }  # fmt: skip
 THINK = ORDINARY + 22
+IM_END = ORDINARY + 2
+TOOL_MARKERS = (11, 12, 13, 14, 15)  # `special: false` in K2.5's tokenizer_config.json
 
 TEXT = {
     "architectures": ["DeepseekV3ForCausalLM"],
@@ -54,7 +56,7 @@ TEXT = {
     "intermediate_size": 96,  # 18432, the dense MLP of the first layer
     "kv_lora_rank": 512,  # 512: Kimi's own (vLLM's CPU MLA kernel runs 512 + 64 only)
     "max_position_embeddings": 1024,  # 262144 (= factor x original, as in K2.5)
-    "model_type": "deepseek_v3",
+    "model_type": "kimi_k2",  # as the hub ships it: transformers maps it to DeepSeek-V3
     "moe_intermediate_size": 32,  # 2048
     "moe_layer_freq": 1,
     "n_group": 1,
@@ -159,7 +161,7 @@ def write_tokenizer(path: Path) -> None:
     added = {
         str(ORDINARY + k): {
             "content": name, "lstrip": False, "normalized": False, "rstrip": False,
-            "single_word": False, "special": True,
+            "single_word": False, "special": k not in TOOL_MARKERS,
         }
         for k, name in names.items()
     }  # fmt: skip
@@ -167,7 +169,7 @@ def write_tokenizer(path: Path) -> None:
         "added_tokens_decoder": added,
         "auto_map": {"AutoTokenizer": ["tokenization_kimi.TikTokenTokenizer", None]},
         "bos_token": "[BOS]",
-        "eos_token": "<|im_end|>",
+        "eos_token": "[EOS]",  # K2.5's; a turn ends with <|im_end|> (generation_config)
         "pad_token": "[PAD]",
         "unk_token": "[UNK]",
         "model_max_length": 1048576,

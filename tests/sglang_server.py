@@ -13,8 +13,9 @@ closed without an answer).
 
 `mode="generate"` serves generation instead, as a target's server would: SGLang `/generate`
 (the model's real greedy output ids) and the OpenAI/OpenRouter chat route (the tokenizer's chat
-template, the real greedy answer decoded to text, usage with a cost at fake_llm's prices; a
-bearer key when `api_key` is set).
+template, the real greedy answer as the target's serving stack returns it: decoded text, or for
+a Kimi tokenizer vLLM's kimi_k2 parsers' reasoning, content and calls; usage counting the
+emitted tokens, with a cost at fake_llm's prices; a bearer key when `api_key` is set).
 """
 
 from __future__ import annotations
@@ -79,11 +80,16 @@ class SGLangServer:
             },
         }
 
+    def stops(self) -> set:
+        """The model's eos, the tokenizer's and the generation config's (Kimi: <|im_end|>)."""
+        stop = {self.model.config.eos_token_id, self.tokenizer.eos_token_id}
+        return stop | {getattr(self.model.generation_config, "eos_token_id", None)}
+
     @torch.inference_mode()
     def greedy(self, ids: list[int], max_new: int) -> list[int]:
         """The model's greedy continuation of `ids`, up to its eos (kept) or `max_new` tokens."""
         out: list[int] = []
-        stop = {self.model.config.eos_token_id, self.tokenizer.eos_token_id}
+        stop = self.stops()
         with self._lock:
             while len(out) < max_new:
                 out.append(int(self.model(torch.tensor([ids + out])).logits[0, -1].argmax()))
@@ -117,20 +123,14 @@ class SGLangServer:
             body["messages"], add_generation_prompt=True, tokenize=True, return_dict=False
         )
         out = self.greedy(list(ids), body["max_tokens"])
-        finish = "stop" if out[-1] == self.tokenizer.eos_token_id else "length"
+        finish = "stop" if out[-1] in self.stops() else "length"
         cost = round(len(ids) * PRICE_PROMPT + len(out) * PRICE_COMPLETION, 10)
-        text = self.tokenizer.decode(out, skip_special_tokens=True)
+        message = self.message(out[:-1] if finish == "stop" else out, body)
         return {
             "id": "gen-" + uuid.uuid4().hex[:16],
             "model": body.get("model"),
             "provider": (body.get("provider") or {}).get("order", ["local"])[0],
-            "choices": [
-                {
-                    "index": 0,
-                    "message": {"role": "assistant", "content": text},
-                    "finish_reason": finish,
-                }
-            ],
+            "choices": [{"index": 0, "message": message, "finish_reason": finish}],
             "usage": {
                 "prompt_tokens": len(ids),
                 "completion_tokens": len(out),
@@ -138,6 +138,31 @@ class SGLangServer:
                 "cost": cost,
             },
         }
+
+    def message(self, out: list[int], body: dict) -> dict:
+        """The answer as the target's serving stack returns it: for a Kimi tokenizer, what
+        vLLM's kimi_k2 reasoning and tool parsers make of the emitted tokens (reasoning apart,
+        OpenRouter's field); for others, the decoded text."""
+        if "<|tool_calls_section_begin|>" not in self.tokenizer.get_vocab():
+            return {
+                "role": "assistant",
+                "content": self.tokenizer.decode(out, skip_special_tokens=True),
+            }
+        from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
+        from vllm.reasoning.kimi_k2_reasoning_parser import KimiK2ReasoningParser
+        from vllm.tool_parsers.kimi_k2_tool_parser import KimiK2ToolParser
+
+        text = self.tokenizer.decode(out, skip_special_tokens=False)
+        req = ChatCompletionRequest(model="m", messages=[{"role": "user", "content": "-"}])
+        reasoning, content = KimiK2ReasoningParser(self.tokenizer).extract_reasoning(text, req)
+        message = {"role": "assistant", "content": content or ""}
+        calls = KimiK2ToolParser(self.tokenizer).extract_tool_calls(content or "", req)
+        if calls.tools_called:
+            message["content"] = calls.content or ""
+            message["tool_calls"] = [c.model_dump(exclude_none=True) for c in calls.tool_calls]
+        if reasoning:
+            message["reasoning"] = reasoning
+        return message
 
     def _handler(self):
         server = self

@@ -72,6 +72,8 @@ BAD = {
     "agent": {
         3: "messages[1].tool_calls[0].function.name: missing",
         4: "messages[1].content: expected a string, got null",
+        6: "messages[2]: tool result without a pending call",
+        7: "messages[1].tool_calls[0].function.arguments: not valid JSON",
     },
 }
 
@@ -149,7 +151,13 @@ LIST_DIR = [
         "content": "",
         "tool_calls": [call("call_9", "list_dir", '{"path": "src", "recursive": false}')],
     },
-    {"role": "tool", "content": "main.py\nutils.py\n", "name": "list_dir"},
+    # The legacy function result names no call: it answers the one pending call.
+    {
+        "role": "tool",
+        "content": "main.py\nutils.py\n",
+        "tool_call_id": "call_9",
+        "name": "list_dir",
+    },
 ]
 RENAME = [
     s("You are OpenHands agent."),
@@ -163,6 +171,38 @@ RENAME = [
     },
     {"role": "tool", "content": "", "tool_call_id": "call_2_0", "name": "execute_bash"},
     a("Done: foo is now bar."),
+]
+PARIS_BERLIN = [
+    s("You are Kimi. Use the tools when they help."),
+    u("Is it warmer in Paris or in Berlin right now?"),
+    {
+        "role": "assistant",
+        "content": "",
+        "reasoning_content": "I need the weather in both cities; I can ask for both at once.",
+        "tool_calls": [
+            # double-encoded arguments, decoded once
+            call("functions.get_weather:0", "get_weather", '{"city": "Paris"}'),
+            call("functions.get_weather:1", "get_weather", '{"city": "Berlin"}'),
+        ],
+    },
+    {
+        "role": "tool",
+        "content": '{"temp_c": 12}',
+        "tool_call_id": "functions.get_weather:1",
+        "name": "get_weather",
+    },
+    # no tool_call_id: the earliest call still without a result
+    {
+        "role": "tool",
+        "content": '{"temp_c": 18}',
+        "tool_call_id": "functions.get_weather:0",
+        "name": "get_weather",
+    },
+    {
+        "role": "assistant",
+        "content": "Paris is warmer: 18 °C against 12 °C in Berlin.",
+        "reasoning_content": "Paris 18 °C, Berlin 12 °C.",
+    },
 ]
 
 # (format, row index, full conversation, prompt_of result)
@@ -357,6 +397,7 @@ CASES = [
     ("agent", 0, SWE_SMITH, SWE_SMITH[:4]),
     ("agent", 1, LIST_DIR, LIST_DIR),  # ends with the tool result
     ("agent", 2, RENAME, RENAME[:4]),
+    ("agent", 5, PARIS_BERLIN, PARIS_BERLIN[:5]),
 ]
 
 
@@ -497,7 +538,12 @@ def test_agent_legacy_function_call_and_non_ascii_arguments():
         "tool_calls": [call("call_1_0", "weather", '{"city": "Zürich"}')],
     }
     assert json.loads(messages[1]["tool_calls"][0]["function"]["arguments"]) == {"city": "Zürich"}
-    assert messages[2] == {"role": "tool", "content": "9 °C", "name": "weather"}
+    assert messages[2] == {
+        "role": "tool",
+        "content": "9 °C",
+        "tool_call_id": "call_1_0",
+        "name": "weather",
+    }
     assert prompt_of(messages) == messages[:3]
 
 
@@ -529,6 +575,287 @@ def test_sharegpt_missing_fields():
     with pytest.raises(BadRow) as excinfo:
         to_messages({"conversations": [{"from": "function_call", "value": "get_time()"}]})
     assert str(excinfo.value) == "conversations[0].value: function_call is not valid JSON"
+
+
+def reasoned(text: str, reasoning: str, *calls: dict) -> dict:
+    message = {"role": "assistant", "content": text, "reasoning_content": reasoning}
+    return {**message, "tool_calls": list(calls)} if calls else message
+
+
+def result(call_id: str, text: str) -> dict:
+    return {"role": "tool", "content": text, "tool_call_id": call_id}
+
+
+def bad(row: dict, fmt: str = "auto") -> str:
+    with pytest.raises(BadRow) as excinfo:
+        to_messages(row, fmt)
+    return str(excinfo.value)
+
+
+def test_chat_keeps_reasoning_from_each_spelling():
+    row = {
+        "messages": [
+            {"role": "user", "content": "What is 6 times 7?"},
+            {"role": "assistant", "content": "42.", "reasoning_content": "6*7=42."},
+            {"role": "user", "content": "And 6 times 8?"},
+            {"role": "assistant", "content": "48.", "reasoning": "42+6=48."},
+            {"role": "user", "content": "And 6 times 9?"},
+            {"role": "assistant", "content": "54.", "thinking": "48+6=54."},
+            {"role": "user", "content": "Thanks!"},
+            # empty or null reasoning, and a non-string `thinking` (a flag), keep nothing
+            {"role": "assistant", "content": "You're welcome.", "reasoning_content": ""},
+            {"role": "user", "content": "Bye."},
+            {"role": "assistant", "content": "Bye!", "reasoning": None, "thinking": True},
+        ]
+    }
+    expected = [
+        u("What is 6 times 7?"),
+        reasoned("42.", "6*7=42."),
+        u("And 6 times 8?"),
+        reasoned("48.", "42+6=48."),
+        u("And 6 times 9?"),
+        reasoned("54.", "48+6=54."),
+        u("Thanks!"),
+        a("You're welcome."),
+        u("Bye."),
+        a("Bye!"),
+    ]
+    assert detect(row) == "ultrachat"
+    assert to_messages(row) == expected
+    assert prompt_of(to_messages(row)) == expected[:-1]
+
+
+def test_agent_keeps_reasoning_of_tool_call_turns():
+    row = {
+        "trajectory": [
+            {"role": "user", "content": "Which branch am I on?"},
+            {
+                "role": "ai",
+                "content": None,
+                "thinking": "git can tell me.",
+                "tool_calls": [{"function": {"name": "bash", "arguments": {"cmd": "git branch"}}}],
+            },
+            {"role": "tool", "content": "* main"},
+            {"role": "ai", "content": "You are on main.", "reasoning_content": "It printed main."},
+        ]
+    }
+    assert to_messages(row) == [
+        u("Which branch am I on?"),
+        reasoned("", "git can tell me.", call("call_1_0", "bash", '{"cmd": "git branch"}')),
+        result("call_1_0", "* main"),
+        reasoned("You are on main.", "It printed main."),
+    ]
+
+
+@pytest.mark.parametrize(
+    ("extra", "reason"),
+    [
+        (
+            {"reasoning_content": {"text": "hm"}},
+            "messages[1].reasoning_content: expected a string, got object",
+        ),
+        ({"reasoning": ["step 1"]}, "messages[1].reasoning: expected a string, got list"),
+        (
+            {"reasoning_content": None, "reasoning": 3},
+            "messages[1].reasoning: expected a string, got number",
+        ),
+    ],
+)
+def test_chat_rejects_non_string_reasoning(extra, reason):
+    row = {"messages": [u("Hi"), {"role": "assistant", "content": "Hello.", **extra}]}
+    assert bad(row) == reason
+
+
+def test_sharegpt_keeps_reasoning_when_a_turn_has_it():
+    row = {
+        "conversations": [
+            {"from": "human", "value": "What's the weather in Oslo?"},
+            {
+                "from": "function_call",
+                "value": '{"name": "get_weather", "arguments": {"city": "Oslo"}}',
+                "reasoning_content": "Ask the weather tool.",
+            },
+            {"from": "observation", "value": "-3 °C"},
+            {"from": "gpt", "value": "It is -3 °C in Oslo.", "reasoning": "Below zero."},
+            {"from": "human", "value": "Thanks."},
+            {"from": "gpt", "value": "You're welcome.", "reasoning": ""},
+        ]
+    }
+    assert to_messages(row) == [
+        u("What's the weather in Oslo?"),
+        reasoned("", "Ask the weather tool.", call("call_1_0", "get_weather", '{"city": "Oslo"}')),
+        result("call_1_0", "-3 °C"),
+        reasoned("It is -3 °C in Oslo.", "Below zero."),
+        u("Thanks."),
+        a("You're welcome."),
+    ]
+    row["conversations"][3]["reasoning"] = {"summary": "Below zero."}
+    assert bad(row) == "conversations[3].reasoning: expected a string, got object"
+
+
+def test_sharegpt_pairs_observations_in_order():
+    row = {
+        "conversations": [
+            {"from": "human", "value": "Weather in Rome and Madrid?"},
+            {
+                "from": "function_call",
+                "value": '[{"name": "get_weather", "arguments": {"city": "Rome"}}, '
+                '{"name": "get_weather", "arguments": "{\\"city\\": \\"Madrid\\"}"}]',
+            },
+            {"from": "observation", "value": "21 °C"},
+            {"from": "observation", "value": "25 °C"},
+            {"from": "gpt", "value": "Rome 21 °C, Madrid 25 °C."},
+        ]
+    }
+    assert to_messages(row) == [
+        u("Weather in Rome and Madrid?"),
+        {
+            "role": "assistant",
+            "content": "",
+            "tool_calls": [
+                call("call_1_0", "get_weather", '{"city": "Rome"}'),
+                call("call_1_1", "get_weather", '{"city": "Madrid"}'),
+            ],
+        },
+        result("call_1_0", "21 °C"),
+        result("call_1_1", "25 °C"),
+        a("Rome 21 °C, Madrid 25 °C."),
+    ]
+    row["conversations"].insert(4, {"from": "observation", "value": "?"})
+    assert bad(row) == "conversations[4]: tool result without a pending call"
+    # An observation with no function_call before it (once kept unpaired, now rejected).
+    row = {"conversations": [{"from": "human", "value": "ls"}, {"from": "tool", "value": "a.txt"}]}
+    assert bad(row) == "conversations[1]: tool result without a pending call"
+
+
+def test_chat_pairs_results_across_assistant_turns():
+    row = {
+        "messages": [
+            u("Check disk and memory, then uptime."),
+            {
+                "role": "assistant",
+                "content": "",
+                "tool_calls": [
+                    {"id": "t_disk", "function": {"name": "bash", "arguments": '{"cmd": "df"}'}},
+                    {"function": {"name": "bash", "arguments": '{"cmd": "free"}'}},
+                ],
+            },
+            {"role": "tool", "content": "disk ok"},
+            {
+                "role": "assistant",
+                "content": "Now uptime.",
+                "tool_calls": [{"function": {"name": "bash", "arguments": '{"cmd": "uptime"}'}}],
+            },
+            {"role": "tool", "content": "up 3 days", "tool_call_id": "call_3_0"},
+            {"role": "tool", "content": "mem ok", "tool_call_id": ""},  # empty: paired in order
+            a("All fine."),
+        ]
+    }
+    assert to_messages(row, "agent") == [
+        u("Check disk and memory, then uptime."),
+        {
+            "role": "assistant",
+            "content": "",
+            "tool_calls": [
+                call("t_disk", "bash", '{"cmd": "df"}'),
+                call("call_1_1", "bash", '{"cmd": "free"}'),
+            ],
+        },
+        result("t_disk", "disk ok"),
+        {
+            "role": "assistant",
+            "content": "Now uptime.",
+            "tool_calls": [call("call_3_0", "bash", '{"cmd": "uptime"}')],
+        },
+        result("call_3_0", "up 3 days"),
+        result("call_1_1", "mem ok"),
+        a("All fine."),
+    ]
+
+
+def _one_call(call_id: str | None = "c1") -> dict:
+    function = {"name": "bash", "arguments": '{"cmd": "ls"}'}
+    calls = [{"id": call_id, "function": function}] if call_id else [{"function": function}]
+    return {"role": "assistant", "content": "", "tool_calls": calls}
+
+
+@pytest.mark.parametrize(
+    ("messages", "reason"),
+    [
+        (
+            [u("ls"), _one_call(), result("c2", "x")],
+            "messages[2].tool_call_id: no call with id 'c2'",
+        ),
+        (  # a later call does not count
+            [u("ls"), result("c1", "x"), _one_call()],
+            "messages[1].tool_call_id: no call with id 'c1'",
+        ),
+        (
+            [u("ls"), _one_call(), result("c1", "x"), result("c1", "y")],
+            "messages[3].tool_call_id: call 'c1' already has a result",
+        ),
+        (
+            [u("ls"), _one_call(), result("c1", "x"), {"role": "tool", "content": "y"}],
+            "messages[3]: tool result without a pending call",
+        ),
+        (
+            [u("ls"), {"role": "function", "name": "bash", "content": "x"}],
+            "messages[1]: tool result without a pending call",
+        ),
+        (
+            [u("ls"), _one_call(), result("c1", "x"), _one_call()],
+            "messages[3].tool_calls[0].id: duplicate call id 'c1'",
+        ),
+        (  # an explicit id that equals an earlier placeholder
+            [u("ls"), _one_call(None), result("call_1_0", "x"), _one_call("call_1_0")],
+            "messages[3].tool_calls[0].id: duplicate call id 'call_1_0'",
+        ),
+    ],
+)
+def test_chat_rejects_unpaired_results_and_duplicate_ids(messages, reason):
+    assert bad({"messages": messages}, "agent") == reason
+
+
+@pytest.mark.parametrize(
+    ("arguments", "text"),
+    [
+        ({"path": "a b", "n": 2}, '{"path": "a b", "n": 2}'),  # a value: dumped
+        ('{"path":"a"}', '{"path":"a"}'),  # JSON text: kept as it is
+        (json.dumps(json.dumps({"path": "é"})), '{"path": "\\u00e9"}'),  # double: decoded once
+        (json.dumps(json.dumps([1, 2])), "[1, 2]"),
+        ('"Paris"', '"Paris"'),  # a JSON string that holds no object: kept
+        ('"{not json"', '"{not json"'),
+        ("null", "null"),
+    ],
+)
+def test_arguments_are_json_text_encoded_once(arguments, text):
+    turn = {
+        "role": "assistant",
+        "content": "",
+        "tool_calls": [{"function": {"name": "f", "arguments": arguments}}],
+    }
+    messages = to_messages({"messages": [u("go"), turn]}, "agent")
+    assert messages[1]["tool_calls"] == [call("call_1_0", "f", text)]
+
+
+@pytest.mark.parametrize("arguments", ["{'path': 'a'}", "", '{"path": "a"'])
+def test_arguments_that_are_not_json(arguments):
+    turn = {
+        "role": "assistant",
+        "content": "",
+        "tool_calls": [{"function": {"name": "f", "arguments": arguments}}],
+    }
+    assert bad({"messages": [u("go"), turn]}, "agent") == (
+        "messages[1].tool_calls[0].function.arguments: not valid JSON"
+    )
+    value = json.dumps({"name": "f", "arguments": arguments})
+    row = {
+        "conversations": [
+            {"from": "human", "value": "go"},
+            {"from": "function_call", "value": value},
+        ]
+    }
+    assert bad(row) == "conversations[1].value[0].function.arguments: not valid JSON"
 
 
 def test_prompt_of_no_assistant_turn_is_whole_conversation():

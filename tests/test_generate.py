@@ -113,8 +113,15 @@ def assert_sent(fake: FakeLLM, rec: dict, cap: int = CAP) -> None:
     assert sent, rec["id"]
     want = openai_answer(rec["messages"], cap)
     assert rec["response"] == want["text"] == sent[-1]["choices"][0]["message"]["content"]
-    assert rec["completion_tokens"] == want["completion_tokens"]
+    assert rec["completion_tokens"] == rec["server_completion_tokens"] == want["completion_tokens"]
     assert rec["cost"] == want["cost"] and rec["finish_reason"] == want["finish_reason"]
+    # the stream SmolLM2 emitted: the answer, then its end of turn unless cut by the cap
+    end = "<|im_end|>" if want["finish_reason"] == "stop" else ""
+    assert _tok().decode(rec["output_ids"]) == want["text"] + end
+
+
+def _tok():
+    return load_tokenizer(resolve(SMOLLM2))
 
 
 # ---------------------------------------------------------------------------- the must-shows
@@ -289,13 +296,13 @@ def test_retry_policy_against_injected_faults(tmp_path, server):
     fake.keep_bodies = True
     write_raw(tmp_path, 40)
     ds = {"path": "data/raw.jsonl", "format": "sharegpt", "max_new_tokens": 3}
-    params = setup(tmp_path, api_params(fake.url, {"a": ds}, reasoning={"effort": "low"}))
+    params = setup(tmp_path, api_params(fake.url, {"a": ds}, reasoning={"effort": "none"}))
     generate.build(params, "a", quiet=True)
     recs = records(params, "a")
     assert len(recs) == 40
     for rec in recs:
         assert_sent(fake, rec, cap=3)
-        assert rec["reasoning"] == "thinking about 1 messages"
+        assert rec["reasoning"] is None
         attempts = fake.attempts[chat_digest(rec["messages"], 3)]
         assert rec["attempts"] == attempts  # every attempt counted, and one answer kept
     assert all(fake.faulted[k] for k in faults)
@@ -303,7 +310,7 @@ def test_retry_policy_against_injected_faults(tmp_path, server):
     assert length and all(len(fake.sent[chat_digest(r["messages"], 3)]) == 1 for r in length)
     body = fake.bodies[0]  # passthrough: provider routing and reasoning; the cap always sent
     assert body["provider"] == {"order": ["prov-a"], "allow_fallbacks": False}
-    assert body["reasoning"] == {"effort": "low"} and body["max_tokens"] == 3
+    assert body["reasoning"] == {"effort": "none"} and body["max_tokens"] == 3
     assert body["model"] == "fake/model-1"
 
 
@@ -419,11 +426,16 @@ def test_sglang_generate_sends_the_targets_own_prompt_ids(tmp_path, server):
         assert rec["model"] == SMOLLM2 and rec["cost"] is None
     sent = [b for b in fake.bodies if "input_ids" in b]
     assert all(b["sampling_params"]["max_new_tokens"] == CAP for b in sent)
-    generate.build(params, "c", quiet=True)  # the OpenAI-compatible route: other keys, no reuse
+    out = generate.build(params, "c", quiet=True)  # the chat route: other keys, no reuse
     chat = records(params, "c")
-    assert len(chat) == 12 and all(r["output_ids"] is None for r in chat)
-    for rec in chat:
-        assert rec["response"] == openai_answer(rec["messages"], CAP)["text"]
+    assert len(chat) == 12
+    for rec in chat:  # text back: written in SmolLM2's grammar (ChatML), its own tokens
+        want = openai_answer(rec["messages"], CAP)
+        assert rec["response"] == want["text"]
+        end = "<|im_end|>" if want["finish_reason"] == "stop" else ""
+        assert rec["output_ids"] == tok(want["text"] + end, add_special_tokens=False)["input_ids"]
+    stats = json.loads(sidecar_of(out).read_text())["stats"]
+    assert stats["from_grammar"] == 12 and stats["token_drift"]["drift"] == 0
 
 
 def test_unreachable_server_is_a_clean_failure(tmp_path):
@@ -432,3 +444,34 @@ def test_unreachable_server_is_a_clean_failure(tmp_path):
     params = setup(tmp_path, data)
     with pytest.raises(EagletError, match=r"3 failed \(first: .*connection failed"):
         generate.build(params, "a", quiet=True)
+
+
+def test_an_answer_the_targets_grammar_cannot_write_stops_naming_it(tmp_path, server):
+    """SmolLM2 (ChatML) has no reasoning: an API that answers with some is not serving it. The
+    stage stops with the record's id and writes nothing; the paid answers stay in the store."""
+    fake = server()
+    write_raw(tmp_path, 3)
+    ds = {"path": "data/raw.jsonl", "format": "sharegpt"}
+    params = setup(tmp_path, api_params(fake.url, {"a": ds}, reasoning={"effort": "low"}))
+    first = prompts_of(params, "a")[0]
+    with pytest.raises(
+        EagletError, match=rf"response {first['id']}: chatml grammar: .*no reasoning"
+    ):
+        generate.build(params, "a", quiet=True)
+    assert not Keys(params).path("responses", "a").exists()
+    store = Store(store_path(params.root))
+    try:
+        assert (
+            sum(r["status"] == "ok" for r in store.get_many(store_keys(params, "a")).values()) == 3
+        )
+    finally:
+        store.close()
+
+
+def prompts_of(params, ds: str) -> list[dict]:
+    return list(read_jsonl(Keys(params).path("prompts", ds)))
+
+
+def store_keys(params, ds: str) -> list[str]:
+    _, job = generate.resolve(params, ds)
+    return [job.keyfn(p["messages"]) for p in prompts_of(params, ds)]

@@ -16,8 +16,10 @@ from eaglet import cli
 from eaglet.errors import EagletError
 from eaglet.formats.chat import prompt_ids
 from eaglet.formats.hidden_store import HiddenReader, Storage, decode, encode
+from eaglet.formats.grammar import grammar
 from eaglet.formats.io import read_jsonl, write_jsonl_zst
 from eaglet.formats.records import response_record
+from eaglet.formats.stream import Writer
 from eaglet.graph.keys import Keys
 from eaglet.model.target import SMOLLM2, load_model, load_tokenizer, resolve
 from eaglet.params import load
@@ -53,29 +55,32 @@ def smol():
 def built(tmp_path_factory, smol):
     """A project with real prompt records, responses written for them, and an exact fp32 build.
 
-    Responses 0 and 2 carry output_ids (as the local and SGLang backends record them); 1 and 3
-    are text only (as from an API), 3 cut by length and with reasoning ChatML does not render.
+    Responses 0 and 2 carry the engine's output_ids (as the local and SGLang backends record
+    them); 1 and 3 are text (as from an API) written in SmolLM2's grammar as the responses stage
+    does, 3 cut by length.
     """
     tok, _ = smol
     root = tmp_path_factory.mktemp("hidden")
     shutil.copytree(DEMO, root / "data" / "demo")
     params = params_for(root, **EXACT)
     keys = Keys(params)
-    records = []
+    records, writer = [], Writer(tok, grammar("chatml"))
     for i, p in enumerate(read_jsonl(prompts.build(params, "sg"))):
         text = f"Answer {i}: light scatters, so the sky looks blue."
         ids = tok(text, add_special_tokens=False)["input_ids"] + [2] if i % 2 == 0 else None
         result = {
             "response": text,
             "output_ids": ids,
-            "reasoning": "Rayleigh." if i == 3 else None,
             "prompt_tokens": 0,
             "completion_tokens": 0,
             "finish_reason": "length" if i == 3 else "stop",
             "model": SMOLLM2,
             "latency_s": 0.0,
         }
-        records.append(response_record(p, result, "local", {}))
+        rec = response_record(p, result, "local", {})
+        if ids is None:
+            rec["output_ids"] = writer.output_ids(rec)
+        records.append(rec)
     write_jsonl_zst(keys.path("responses", "sg"), records)
     out = hidden.build(params, "sg", quiet=True)
     return root, params, records, out
@@ -97,8 +102,7 @@ def test_states_masks_and_manifest_equal_a_direct_forward(built, smol):
     assert len(t["config_sha256"]) == 64 and t["model"] == SMOLLM2
     assert len(m["shards"]) > 1  # shard_mb 0.5: the reader crosses shards
     st = m["stats"]
-    assert (st["from_output_ids"], st["from_template"], st["unfinished"]) == (2, 2, 1)
-    assert st["reasoning_not_rendered"] == 1 and st["truncated"] == 0
+    assert (st["from_output_ids"], st["unfinished"], st["truncated"]) == (4, 1, 0)
     assert reader.ids == [r["id"] for r in records] and len(reader) == 4
     samples = list(reader)
     for rec, s in zip(records, samples, strict=True):
@@ -106,11 +110,9 @@ def test_states_masks_and_manifest_equal_a_direct_forward(built, smol):
         turn = s["input_ids"][s["loss_mask"]].tolist()
         assert s["input_ids"][: len(prompt)].tolist() == prompt
         assert not s["loss_mask"][: len(prompt)].any() and s["loss_mask"][len(prompt) :].all()
-        if rec["output_ids"]:
-            assert turn == rec["output_ids"]  # exactly the generated ids, stop token included
-        else:  # from the template: the reply and its <|im_end|>, unless cut by length
-            end = "" if rec["finish_reason"] == "length" else "<|im_end|>"
-            assert tok.decode(turn) == rec["response"] + end
+        assert turn == rec["output_ids"]  # exactly the generated ids, stop token included
+        end = "" if rec["finish_reason"] == "length" else "<|im_end|>"  # its own, unless cut
+        assert tok.decode(turn) == rec["response"] + end
         with torch.inference_mode():
             hs = model(s["input_ids"][None], output_hidden_states=True).hidden_states
         assert torch.equal(s["aux"], torch.stack([hs[k][0] for k in (2, 15, 27)], dim=1))

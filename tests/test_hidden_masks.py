@@ -1,4 +1,5 @@
-"""Loss masks from chat templates: ChatML, Llama-3 style and a <think> reasoning template.
+"""Samples and loss masks over chat templates (ChatML, Llama-3 style, a <think> reasoning
+template): the prompt as the template renders it, then exactly the generated ids.
 
 The tokenizer is a byte-level BPE trained here on the standard library's `email` package
 (about 1 s), with each template's special tokens.
@@ -31,10 +32,6 @@ THINK = (  # Qwen3-like: the last assistant turn shows its reasoning, earlier on
     "<think>\n{{ m.reasoning_content }}\n</think>\n\n{% endif %}{{ m.content }}<|im_end|>\n"
     "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
-BROKEN = (  # the generation prompt opens an empty think block the full render never has
-    "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
-    "{% if add_generation_prompt %}<|im_start|>assistant\n<think>\n\n</think>\n\n{% endif %}"
-)
 MESSAGES = [
     {"role": "system", "content": "Be brief."},
     {"role": "user", "content": "What is 6 times 7?"},
@@ -60,11 +57,9 @@ def tokenizer():
     return PreTrainedTokenizerFast(tokenizer_object=bpe)
 
 
-def target(tokenizer, template, stop="<|im_end|>", max_length=512):
+def target(tokenizer, template, max_length=512):
     tokenizer.chat_template = template
-    return SimpleNamespace(
-        tokenizer=tokenizer, stop=[tokenizer.convert_tokens_to_ids(stop)], max_length=max_length
-    )
+    return SimpleNamespace(tokenizer=tokenizer, max_length=max_length, vocab_rows=len(tokenizer))
 
 
 def record(i, response="The answer is 42.", **kw):
@@ -77,27 +72,23 @@ def masked(tok, sample):
     return tok.decode([t for t, m in pairs if m])
 
 
-@pytest.mark.parametrize(
-    ("template", "stop", "reasoning", "turn"),
-    [
-        (CHATML, "<|im_end|>", None, "The answer is 42.<|im_end|>"),
-        (LLAMA3, "<|eot_id|>", None, "The answer is 42.<|eot_id|>"),
-        (THINK, "<|im_end|>", "6*7=42", "<think>\n6*7=42\n</think>\n\nThe answer is 42.<|im_end|>"),
-    ],
-)
-def test_mask_is_exactly_the_regenerated_turn(tokenizer, template, stop, reasoning, turn):
-    t = target(tokenizer, template, stop)
-    recs = [record(0, reasoning=reasoning), record(1, reasoning=reasoning, finish_reason="length")]
+@pytest.mark.parametrize("template", [CHATML, LLAMA3, THINK])
+def test_mask_is_exactly_the_generated_tokens(tokenizer, template):
+    """The prompt as each template renders it with its generation prompt (the earlier
+    assistant turn unmasked), then the generated ids as they are, and only those masked."""
+    t = target(tokenizer, template)
+    out = tokenizer("<think>\n6*7\n</think>\n\nThe answer is 42.<|im_end|>")["input_ids"]
+    recs = [record(0, output_ids=out), record(1, output_ids=out[:-1], finish_reason="length")]
     (done, cut), stats = sequences(recs, t, Path("r.jsonl"))
     prompt = tokenizer.apply_chat_template(MESSAGES, add_generation_prompt=True, tokenize=False)
     n = len(tokenizer(prompt, add_special_tokens=False)["input_ids"])
-    for s in (done, cut):
+    for s, ids in ((done, out), (cut, out[:-1])):
         assert tokenizer.decode(s["input_ids"][:n]) == prompt and not any(s["loss_mask"][:n])
-        assert all(s["loss_mask"][n:]) and s["prompt_tokens"] == n
-    assert masked(tokenizer, done) == turn  # the earlier assistant turn stays unmasked
-    assert masked(tokenizer, cut) == turn.removesuffix(stop)  # never produced its stop token
-    assert stats["from_template"] == 2 and stats["unfinished"] == 1
-    assert stats["reasoning_not_rendered"] == 0
+        assert s["input_ids"][n:] == ids and all(s["loss_mask"][n:]) and s["prompt_tokens"] == n
+    assert "An earlier answer." in masked(
+        tokenizer, {**done, "loss_mask": [not m for m in done["loss_mask"]]}
+    )
+    assert stats["from_output_ids"] == 2 and stats["unfinished"] == 1
 
 
 def test_output_ids_truncation_and_skips(tokenizer):
@@ -111,20 +102,29 @@ def test_output_ids_truncation_and_skips(tokenizer):
         record(0, output_ids=out),
         record(1, output_ids=list(range(300, 320))),  # 10 tokens too long
         record(2, output_ids=[]),
-        record(3, reasoning="thoughts"),  # ChatML has nowhere to put reasoning
     ]
     samples, stats = sequences(recs, t, Path("r.jsonl"))
     exact, cut = samples[0], samples[1]
     assert exact["input_ids"][n:] == out and sum(exact["loss_mask"]) == len(out)
     assert len(cut["input_ids"]) == n + 10 and sum(cut["loss_mask"]) == 10
     assert stats["truncated"] == 1 and stats["truncated_tokens"] == 10
-    assert stats["skipped_empty_response"] == 1 and stats["reasoning_not_rendered"] == 1
-    assert stats["samples"] == 3 and masked(tokenizer, samples[2]) == "The answer is 42.<|im_end|>"
+    assert stats["skipped_empty_response"] == 1 and stats["samples"] == 2
     short = target(tokenizer, CHATML, max_length=n)  # nothing of the turn fits
-    assert sequences([record(0)], short, Path("r.jsonl"))[1]["skipped_no_loss_tokens"] == 1
+    assert (
+        sequences([record(0, output_ids=out)], short, Path("r.jsonl"))[1]["skipped_no_loss_tokens"]
+        == 1
+    )
 
 
-def test_a_template_that_breaks_the_prefix_property_fails_clearly(tokenizer):
-    t = target(tokenizer, BROKEN)
-    with pytest.raises(EagletError, match=r"r\.jsonl: response r0: chat template: .* not a prefix"):
+def test_a_record_without_generated_ids_or_with_foreign_ids_is_one_error(tokenizer):
+    """Text without the target's tokens (an older eaglet's record) is never re-rendered here;
+    an id past the target's rows is never embedded."""
+    t = target(tokenizer, CHATML)
+    with pytest.raises(
+        EagletError, match=r"r\.jsonl: response r0: no output_ids: .*eaglet generate"
+    ):
         sequences([record(0)], t, Path("r.jsonl"))
+    with pytest.raises(
+        EagletError, match=r"response r1: output id 5000 outside the target's 2000 rows"
+    ):
+        sequences([record(1, output_ids=[5, 5000])], t, Path("r.jsonl"))

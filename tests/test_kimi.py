@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 import shutil
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -16,7 +15,6 @@ import yaml
 
 from eaglet.cli import main
 from eaglet.errors import EagletError
-from eaglet.formats.chat import stop_ids
 from eaglet.formats.hidden_store import HiddenReader
 from eaglet.formats.io import read_json
 from eaglet.graph.keys import Keys, sidecar_of
@@ -143,43 +141,15 @@ def test_a_tokenizer_that_splits_the_targets_special_tokens_is_an_error(kimi):
         check_special_tokens(resolve(str(kimi), trust=True), generic)
 
 
-def _oracle(tok, messages, tools, reply):
-    """The template's own rendering, tokenized whole: ids, and the mask after the prompt."""
-    kw = {"tools": tools} if tools else {}
-    prompt = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False, **kw)
-    full = tok.apply_chat_template([*messages, reply], tokenize=False, **kw)
-    assert full.startswith(prompt)
-    ids = tok.encode(full, add_special_tokens=False)
-    n = len(tok.encode(prompt, add_special_tokens=False))
-    return ids, [False] * n + [True] * (len(ids) - n)
-
-
-def test_reasoning_and_tool_calls_are_rendered_and_masked_as_the_template_does(kimi, tok):
-    """Token by token against the template's own rendering: the mask is the target's turn
-    (reasoning, answer, tool calls), never the tool result, user turns or tool declarations."""
-    spec = resolve(str(kimi), trust=True)
-    target = SimpleNamespace(tokenizer=tok, stop=stop_ids(tok, load_config(spec)), max_length=999)
-    reasoning = {**REASONING, "id": "r", "response": "Rayleigh.", "reasoning": "Short waves."}
-    agent = {**AGENT, "id": "a", "response": "", "reasoning": "Ask again.", "tool_calls": [CALL_B]}
-    for rec in (reasoning, agent):
-        sample, info = hidden.sequence(rec, target)
-        reply = {"role": "assistant", "content": rec["response"]}
-        reply |= {"reasoning_content": rec["reasoning"]}
-        reply |= {"tool_calls": rec["tool_calls"]} if rec.get("tool_calls") else {}
-        ids, mask = _oracle(tok, rec["messages"], rec.get("tools"), reply)
-        assert info["source"] == "template" and not info["reasoning_not_rendered"]
-        assert sample["input_ids"] == ids and sample["loss_mask"] == mask
-        turn = [t for t, m in zip(ids, mask, strict=True) if m]
-        prompt = [t for t, m in zip(ids, mask, strict=True) if not m]
-        assert turn[0] == THINK and turn[-1] == tok.convert_tokens_to_ids("<|im_end|>")
-        assert tok.decode(turn).startswith(f"<think>{rec['reasoning']}</think>{rec['response']}")
-        if rec is agent:
-            said = tok.decode(turn)
-            assert "<|tool_calls_section_begin|><|tool_call_begin|>functions.get_weather:1" in said
-            shown = tok.decode(prompt)
-            assert "namespace functions {" in shown  # TypeScript: the class's own rendering
-            assert "## Return of functions.get_weather:0" in shown and "cloudy" not in said
-            assert prompt.count(THINK) == 1  # the history turn's empty <think></think>
+def _oracle(tok, rec):
+    """The prompt as the template renders it with the generation prompt, then the record's
+    generated tokens: ids, and the mask on the generated ones."""
+    kw = {"tools": rec["tools"]} if rec.get("tools") else {}
+    prompt = tok.apply_chat_template(
+        rec["messages"], add_generation_prompt=True, tokenize=False, **kw
+    )
+    ids = tok.encode(prompt, add_special_tokens=False)
+    return ids + rec["output_ids"], [False] * len(ids) + [True] * len(rec["output_ids"])
 
 
 @pytest.mark.parametrize(
@@ -278,8 +248,9 @@ def test_trust_on_the_chain_keeps_the_targets_ids(kimi, project, capsys):
         prompt = tok.encode(text, add_special_tokens=False)
         assert s["input_ids"].tolist() == prompt + rec["output_ids"]
         assert s["loss_mask"].tolist() == [False] * len(prompt) + [True] * len(rec["output_ids"])
-    agent = reader.get(tools[0]["id"])["input_ids"].tolist()
-    assert THINK in agent and agent.count(THINK) == agent.count(THINK + 1)
+    sample = reader.get(tools[0]["id"])
+    prompt = sample["input_ids"][~sample["loss_mask"]].tolist()  # K2.5's, in thinking mode:
+    assert prompt[-1] == THINK and prompt.count(THINK) == prompt.count(THINK + 1) + 1  # open
 
     # the target's own (greedy) answers: training supervises their positions
     assert main(["vocab", "k", *args]) == 0 and main(["train", "k", "--quiet", *args]) == 0
@@ -374,10 +345,14 @@ def test_params_file_of_the_example_trusts_a_pinned_revision():
 
 
 def _responses(keys) -> list[dict]:
-    """Answers as an API writes them (text, reasoning, tool calls; no ids): the template path."""
+    """Answers as an API writes them (text, reasoning, tool calls; no ids), written in Kimi's
+    grammar as the responses stage does."""
+    from eaglet.formats.grammar import grammar
     from eaglet.formats.io import read_jsonl, write_jsonl_zst
     from eaglet.formats.records import response_record
+    from eaglet.formats.stream import Writer
 
+    writer = Writer(load_tokenizer(keys.target), grammar("kimi_k2"))
     records = []
     for p in read_jsonl(keys.path("prompts", "a1")):
         agent = bool(p.get("tools"))
@@ -391,7 +366,9 @@ def _responses(keys) -> list[dict]:
             "model": "target",
             "latency_s": 0.0,
         }
-        records.append(response_record(p, result, "api", {}))
+        rec = response_record(p, result, "api", {})
+        rec["output_ids"] = writer.output_ids(rec)
+        records.append(rec)
     write_jsonl_zst(keys.path("responses", "a1"), records)
     return records
 
@@ -399,8 +376,8 @@ def _responses(keys) -> list[dict]:
 @pytest.mark.engine
 def test_vllm_states_equal_the_transformers_backend_on_the_miniature(kimi, project):
     """vLLM serves the `kimi_k25` wrapper (its own tokenizer class trusted, language model only)
-    and returns every requested layer, the final one (id N) included; ids and masks equal the
-    template's own rendering token by token, states equal transformers' in fp32."""
+    and returns every requested layer, the final one (id N) included; ids and masks are the
+    template's prompt and the written stream token by token, states equal transformers' in fp32."""
     import subprocess
 
     args = _project(project, kimi, trust=True)
@@ -422,10 +399,7 @@ def test_vllm_states_equal_the_transformers_backend_on_the_miniature(kimi, proje
     worst = 0.0
     for rec in records:
         a, b = ref.get(rec["id"]), got.get(rec["id"])
-        reply = {"role": "assistant", "content": rec["response"]}
-        reply |= {"reasoning_content": rec["reasoning"]}
-        reply |= {"tool_calls": rec["tool_calls"]} if rec.get("tool_calls") else {}
-        ids, mask = _oracle(tok, rec["messages"], rec.get("tools"), reply)
+        ids, mask = _oracle(tok, rec)
         assert b["input_ids"].tolist() == ids and b["loss_mask"].tolist() == mask
         assert torch.equal(a["input_ids"], b["input_ids"])
         for name in ("aux", "last"):

@@ -92,6 +92,7 @@ def test_defaults_and_overrides(tmp_path):
         "top_p": 1.0,
         "top_k": -1,
         "seed": 0,
+        "max_token_drift": 0.02,
     }
     assert p.dataset("a")["format"] == "auto"
     assert p.resolve(p.dataset("a")["path"]) == tmp_path / "in" / "a.jsonl"
@@ -117,7 +118,12 @@ def test_backend_identity_excludes_speed_settings(tmp_path):
     a = load(write_params(tmp_path, base)).backend_identity("or")
     base["backends"]["or"]["concurrency"] = 300
     assert load(write_params(tmp_path, base)).backend_identity("or") == a
-    assert a == {"kind": "openai", "base_url": "http://x/v1", "model": "m"}
+    assert a == {
+        "kind": "openai",
+        "base_url": "http://x/v1",
+        "model": "m",
+        "reasoning_field": "reasoning_content",
+    }
 
 
 def test_shipped_params_validate():
@@ -161,7 +167,7 @@ def test_overlay_merges_onto_the_production_file(tmp_path):
     overlay.write_text(
         f"extends: {ROOT / 'examples' / 'kimi-k2.5.params.yaml'}\n"
         "target: {model: smollm2-135m-instruct, max_length: 512, revision: null,"
-        " trust_remote_code: null}\n"
+        " trust_remote_code: null, grammar: chatml}\n"
         "hidden: {url: null, spool: null}\n"
         "datasets: {B2_opencodeinstruct: {max_samples: 4, token_budget: null}}\n"
         "drafters: {kimi_k25_eagle3: {datasets: [B2_opencodeinstruct]}}\n"
@@ -169,6 +175,7 @@ def test_overlay_merges_onto_the_production_file(tmp_path):
     p = load(overlay)
     assert p.path == overlay and p.root == tmp_path  # paths resolve against the overlay
     target = {"model": "smollm2-135m-instruct", "max_length": 512, "trust_remote_code": False}
+    target["grammar"] = "chatml"
     assert p.target == target  # null removed the example's revision and trust: the default
     assert "url" not in p.data["hidden"] and p.data["hidden"]["fp8"] is True  # kept
     b2 = p.dataset("B2_opencodeinstruct")

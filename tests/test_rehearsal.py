@@ -97,7 +97,9 @@ def overlay(gen: str, engine: str, spool: Path, base: Path = EXAMPLE) -> str:
             "sglang": {"url": gen, "concurrency": 2, "timeout_s": 60},
             "openrouter": {"base_url": f"{gen}/v1", "concurrency": 2, "timeout_s": 60},
         },
-        "generation": {"max_new_tokens": 8},
+        # a random-weight miniature emits token sequences that are not what its BPE makes of
+        # the same text (a trained target's are): the drift is recorded, not held to 2%
+        "generation": {"max_new_tokens": 8, "max_token_drift": 1.0},
         # the operator's engine here runs fp32 (vLLM's CPU reference MLA kernel)
         "hidden": {
             "url": engine,
@@ -178,6 +180,13 @@ def test_the_example_runs_to_the_end(servers):
     b2 = side["B2_opencodeinstruct"]["stats"]  # 8-token answers against a 12-token budget
     assert b2["stopped_by"] == "token_budget" and b2["responses"] < b2["prompts"]
     assert all(s["stats"]["cost"] > 0 for d, s in side.items() if d.startswith("B"))
+    # the B-sets' text answers written back in Kimi's grammar, read back by vLLM's parsers,
+    # their count against the server's recorded; A1's are the engine's own ids
+    for d, s in side.items():
+        grammar_made = s["stats"]["from_grammar"]
+        assert grammar_made == (0 if d == "A1_deepswekimi" else s["stats"]["responses"]), d
+        assert s["stats"]["token_drift"]["records"] == s["stats"]["responses"], d
+        assert d == "A1_deepswekimi" or s["stats"]["round_trip"].startswith("vllm"), d
     # hidden states from the operator's engine: every sequence prefilled there once (and one
     # probe per dataset), its files read and removed from the spool
     tokens = 0

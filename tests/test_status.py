@@ -39,8 +39,11 @@ def test_status_reports_a_foreign_raw_responses_file_in_either_schema(tmp_path, 
     params = setup(tmp_path, data)
     oa, sgl = _prompts(params, "oa"), _prompts(params, "sgl")
 
-    # OpenAI style: the conversation ends with the answer, usage carries tokens and cost; the
-    # last line has no usage at all (counted with the target tokenizer)
+    # OpenAI style: the conversation ends with the answer, usage carries tokens (the answer and
+    # its end of turn, as the server counted them) and cost; the last line has no usage at all
+    # (counted with the target tokenizer)
+    tok = load_tokenizer(resolve(SMOLLM2))
+    counts = [len(tok(f"answer number {i}")["input_ids"]) + 1 for i in range(7)]
     rows = []
     for i, p in enumerate(oa[:7]):
         row = {
@@ -49,11 +52,10 @@ def test_status_reports_a_foreign_raw_responses_file_in_either_schema(tmp_path, 
             "finish_reason": "stop",
         }
         if i < 6:
-            row["usage"] = {"prompt_tokens": 30, "completion_tokens": 10 + i, "cost": 0.001 * i}
+            row["usage"] = {"prompt_tokens": 30, "completion_tokens": counts[i], "cost": 0.001 * i}
         rows.append(row)
     _write(tmp_path / "raw_openai.jsonl", rows)
-    tok = load_tokenizer(resolve(SMOLLM2))
-    tokens_oa = sum(10 + i for i in range(6)) + len(tok("answer number 6")["input_ids"])
+    tokens_oa = sum(counts[:6]) + len(tok("answer number 6")["input_ids"])
 
     # SGLang style: ShareGPT conversations, text + output_ids + meta_info
     rows = []
@@ -73,6 +75,7 @@ def test_status_reports_a_foreign_raw_responses_file_in_either_schema(tmp_path, 
 
     r = eaglet(tmp_path, "import-responses", "oa", "raw_openai.jsonl")
     assert "7 records (7 openai), 7 new in the store, 7 are prompts of oa" in r.stdout
+    assert "oa: generated tokens drift 0.00% from the file's counts over 6 answers" in r.stdout
     r = eaglet(tmp_path, "import-responses", "sgl", "raw_sglang.jsonl")
     assert "5 records (5 sglang), 5 new" in r.stdout and f"{tokens_sg} completion" in r.stdout
 

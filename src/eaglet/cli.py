@@ -117,6 +117,15 @@ def cmd_import_responses(args: argparse.Namespace) -> None:
         f"{s['in_dataset']} are prompts of {args.dataset}; "
         f"{s['completion_tokens']:,} completion tokens{cost}"
     )
+    d = s["token_drift"]
+    if d["records"]:
+        w = d["worst"]
+        worst = f"; worst {w['id']}: {w['stored']} stored, {w['server']} in the file" if w else ""
+        print(
+            f"{args.dataset}: generated tokens drift {d['drift']:.2%} from the file's counts over "
+            f"{d['records']} answers ({d['stored_tokens']:,} stored, {d['server_tokens']:,} "
+            f"counted){worst}"
+        )
 
 
 def cmd_plan(args: argparse.Namespace) -> None:

@@ -24,7 +24,15 @@ GENERATION_KEYS = ("backend", "max_new_tokens", "temperature", "top_p", "top_k",
 BACKEND_IDENTITY_KEYS = {
     "transformers": ("kind", "dtype"),
     "sglang": ("kind", "endpoint"),
-    "openai": ("kind", "base_url", "model", "provider", "reasoning", "extra_body"),
+    "openai": (
+        "kind",
+        "base_url",
+        "model",
+        "provider",
+        "reasoning",
+        "reasoning_field",
+        "extra_body",
+    ),
     "vllm": ("kind", "dtype", "enforce_eager", "tensor_parallel_size"),
 }
 

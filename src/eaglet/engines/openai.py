@@ -99,9 +99,10 @@ class OpenAIBackend:
 def chat_body(request: dict, model: str, cfg: dict) -> dict:
     """The chat-completions request: messages, token cap, sampling, passthrough options."""
     s = request["sampling"]
+    field = cfg.get("reasoning_field", "reasoning_content")
     body: dict[str, Any] = {
         "model": model,
-        "messages": request["messages"],
+        "messages": [_sent(m, field) for m in request["messages"]],
         "max_tokens": s["max_new_tokens"],
         "temperature": s["temperature"],
         "top_p": s["top_p"],
@@ -116,6 +117,14 @@ def chat_body(request: dict, model: str, cfg: dict) -> dict:
             body[k] = cfg[k]
     body.update(cfg.get("extra_body", {}))
     return body
+
+
+def _sent(message: dict, field: str) -> dict:
+    """A message as the provider reads it: an assistant turn's reasoning in `field`."""
+    if field == "reasoning_content" or "reasoning_content" not in message:
+        return message
+    out = {k: v for k, v in message.items() if k != "reasoning_content"}
+    return out | {field: message["reasoning_content"]}
 
 
 def parse_chat(
@@ -135,14 +144,24 @@ def parse_chat(
     if choice.get("finish_reason") == "error":
         raise Retryable("finish_reason error")
     message = choice.get("message") or {}
+    if not isinstance(message, dict):
+        raise Retryable("HTTP 200 whose message is not an object")
     text = message.get("content") or ""
+    if not isinstance(text, str):
+        raise Retryable("HTTP 200 whose message content is not text")
     reasoning = message.get("reasoning") or message.get("reasoning_content")
     calls = message.get("tool_calls") or None
+    if calls is not None and not all(
+        isinstance(c, dict) and isinstance((c.get("function") or {}).get("name"), str)
+        for c in calls
+    ):
+        raise Retryable("HTTP 200 with a malformed tool call")
     usage = data.get("usage") or {}
     output_ids = choice.get("response_token_ids")  # SGLang >= 0.5.23 returns them on request
-    completion = usage.get("completion_tokens")
+    server = usage.get("completion_tokens")  # counts reasoning; kept beside for the drift check
+    completion = len(output_ids) if output_ids else server
     if completion is None:
-        completion = len(output_ids) if output_ids else count((reasoning or "") + text)
+        completion = count((reasoning or "") + text)
     prompt = usage.get("prompt_tokens")
     cost = usage.get("cost")
     if cost is None and price and prompt is not None:
@@ -156,6 +175,7 @@ def parse_chat(
         "output_ids": output_ids,
         "prompt_tokens": prompt,
         "completion_tokens": completion,
+        "server_completion_tokens": server,
         "finish_reason": choice.get("finish_reason") or "stop",
         "model": data.get("model") or model,
         "cost": cost,

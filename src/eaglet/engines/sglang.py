@@ -83,7 +83,7 @@ class SGLangBackend:
     def parse(self, data: Any) -> dict:
         if isinstance(data, list) and len(data) == 1:
             data = data[0]
-        if not isinstance(data, dict) or "meta_info" not in data:
+        if not isinstance(data, dict) or not isinstance(data.get("meta_info"), dict):
             raise Retryable("HTTP 200 without meta_info")
         if data.get("error"):
             raise Retryable(f"error in body: {data['error']}")
@@ -97,15 +97,15 @@ class SGLangBackend:
                 raise Fatal(msg)
             raise Retryable(msg)
         output_ids = data.get("output_ids")
-        completion = meta.get("completion_tokens")
-        if completion is None:
-            completion = len(output_ids or [])
+        server = meta.get("completion_tokens")  # kept beside: the drift check compares them
+        completion = len(output_ids) if isinstance(output_ids, list) else server
         return {
             "response": data.get("text", ""),
             "reasoning": None,
             "output_ids": output_ids,
             "prompt_tokens": meta.get("prompt_tokens"),
             "completion_tokens": completion,
+            "server_completion_tokens": server,
             "finish_reason": kind or "stop",
             "model": self.model,
             "cost": None,

@@ -542,6 +542,7 @@ class VLLMBackend:
             "output_ids": output_ids,
             "prompt_tokens": usage.get("prompt_tokens"),
             "completion_tokens": len(output_ids),
+            "server_completion_tokens": usage.get("completion_tokens"),
             "finish_reason": choice.get("finish_reason") or "stop",
             "model": self.model,
             "cost": None,

@@ -1,8 +1,10 @@
 """Adapters from public prompt-dataset schemas to one normalized chat shape.
 
 A normalized message is ``{"role": "system" | "user" | "assistant" | "tool", "content": str}``;
-assistant messages may add ``tool_calls`` (OpenAI shape, ``arguments`` always a JSON string) and
-tool messages may add ``tool_call_id`` and ``name``. Malformed rows raise `BadRow` with a short
+assistant messages may add ``reasoning_content`` (a non-empty string) and ``tool_calls`` (OpenAI
+shape, ``arguments`` always JSON text, encoded exactly once); tool messages always carry the
+``tool_call_id`` of the call they answer (results without one are paired, in order, with the
+earliest call still unanswered) and may add ``name``. Malformed rows raise `BadRow` with a short
 reason that names the offending field, e.g. ``conversations[2].from: unknown role 'bot'``.
 """
 
@@ -218,6 +220,49 @@ def _message(role: str, content: str, field: str) -> dict:
     return {"role": role, "content": content}
 
 
+def _reasoning(turn: dict, field: str, keys: tuple[str, ...]) -> str | None:
+    """An assistant turn's reasoning: the first non-empty of `keys` (`thinking` only when it is a
+    string: elsewhere it is a flag or a config); None when it has none."""
+    for key in keys:
+        value = turn.get(key)
+        if value is None or (key == "thinking" and not isinstance(value, str)):
+            continue
+        if not isinstance(value, str):
+            raise BadRow(f"{field}.{key}: expected a string, got {_type_name(value)}")
+        if value:
+            return value
+    return None
+
+
+class _Pairing:
+    """Pairs every tool result with a call of an earlier assistant turn, by id or in order."""
+
+    def __init__(self) -> None:
+        self.ids: set[str] = set()  # every call id so far
+        self.pending: list[str] = []  # ids of calls without a result yet, in call order
+
+    def call(self, call: dict, field: str) -> dict:
+        call_id = call["id"]
+        if call_id in self.ids:
+            raise BadRow(f"{field}.id: duplicate call id {call_id!r}")
+        self.ids.add(call_id)
+        self.pending.append(call_id)
+        return call
+
+    def result(self, call_id: str | None, field: str) -> str:
+        """The id of the call a tool result at `field` answers (`call_id`: the one it names)."""
+        if call_id:
+            if call_id in self.pending:
+                self.pending.remove(call_id)
+                return call_id
+            if call_id in self.ids:
+                raise BadRow(f"{field}.tool_call_id: call {call_id!r} already has a result")
+            raise BadRow(f"{field}.tool_call_id: no call with id {call_id!r}")
+        if not self.pending:
+            raise BadRow(f"{field}: tool result without a pending call")
+        return self.pending.pop(0)
+
+
 # ---------------------------------------------------------------------------- flat formats
 
 
@@ -279,7 +324,7 @@ def _sharegpt(row: dict) -> list[dict]:
     system = row.get("system")
     if system is not None and _text(system, "system").strip():
         messages.append({"role": "system", "content": _text(system, "system")})
-    pending_calls: list[str] = []  # ids of function_call turns not yet answered by a tool turn
+    pairing = _Pairing()
     for i, turn in enumerate(turns):
         field = f"{key}[{i}]"
         if not isinstance(turn, dict):
@@ -294,24 +339,33 @@ def _sharegpt(row: dict) -> list[dict]:
             raise BadRow(f"{field}.value: missing")
         content = _text(turn["value"], f"{field}.value")
         if source == "function_call":
-            calls = _sharegpt_calls(content, f"{field}.value", i)
-            pending_calls += [call["id"] for call in calls]
-            messages.append({"role": "assistant", "content": "", "tool_calls": calls})
-        elif role == "tool" and pending_calls:
-            messages.append({"role": "tool", "content": content, "tool_call_id": pending_calls[0]})
-            pending_calls.pop(0)
+            message = {"role": "assistant", "content": ""}
         else:
-            messages.append(_message(role, content, f"{field}.value"))
+            message = _message(role, content, f"{field}.value")
+        if role == "assistant":
+            reasoning = _reasoning(turn, field, ("reasoning_content", "reasoning"))
+            if reasoning is not None:
+                message["reasoning_content"] = reasoning
+        if source == "function_call":
+            message["tool_calls"] = _sharegpt_calls(content, f"{field}.value", i, pairing)
+        elif role == "tool":
+            named = turn.get("tool_call_id")
+            named = None if named is None else _text(named, f"{field}.tool_call_id")
+            message["tool_call_id"] = pairing.result(named, field)
+        messages.append(message)
     return messages
 
 
-def _sharegpt_calls(value: str, field: str, turn: int) -> list[dict]:
+def _sharegpt_calls(value: str, field: str, turn: int, pairing: _Pairing) -> list[dict]:
     try:
         parsed = json.loads(value)
     except json.JSONDecodeError:
         raise BadRow(f"{field}: function_call is not valid JSON") from None
     calls = parsed if isinstance(parsed, list) else [parsed]
-    return [_tool_call(call, f"{field}[{k}]", f"call_{turn}_{k}") for k, call in enumerate(calls)]
+    return [
+        pairing.call(_tool_call(call, f"{field}[{k}]", f"call_{turn}_{k}"), f"{field}[{k}]")
+        for k, call in enumerate(calls)
+    ]
 
 
 def _lima(row: dict) -> list[dict]:
@@ -349,9 +403,10 @@ def _agent(row: dict) -> list[dict]:
 
 
 def _chat(row: dict, keys: tuple[str, ...], roles: dict[str, str]) -> list[dict]:
-    """OpenAI-style `{role, content, ...}` messages, with optional tool calls."""
+    """OpenAI-style `{role, content, ...}` messages, with optional reasoning and tool calls."""
     key, turns = _turns(row, *keys)
     messages = []
+    pairing = _Pairing()
     for i, turn in enumerate(turns):
         field = f"{key}[{i}]"
         if not isinstance(turn, dict):
@@ -362,7 +417,7 @@ def _chat(row: dict, keys: tuple[str, ...], roles: dict[str, str]) -> list[dict]
         role = roles.get(source) if isinstance(source, str) else None
         if role is None:
             raise BadRow(f"{field}.role: unknown role {source!r}")
-        calls = _chat_calls(turn, field, i) if role == "assistant" else []
+        calls = _chat_calls(turn, field, i, pairing) if role == "assistant" else []
         content_key = "text" if "content" not in turn and "text" in turn else "content"
         content = turn.get(content_key)
         if content is None and calls:
@@ -371,17 +426,26 @@ def _chat(row: dict, keys: tuple[str, ...], roles: dict[str, str]) -> list[dict]
             raise BadRow(f"{field}.content: missing")
         content_field = f"{field}.{content_key}"
         message = _message(role, _text(content, content_field), content_field)
+        if role == "assistant":
+            reasoning = _reasoning(turn, field, ("reasoning_content", "reasoning", "thinking"))
+            if reasoning is not None:
+                message["reasoning_content"] = reasoning
         if calls:
             message["tool_calls"] = calls
         if role == "tool":
-            for extra in ("tool_call_id", "name"):
-                if turn.get(extra) is not None:
-                    message[extra] = _text(turn[extra], f"{field}.{extra}")
+            extras = {
+                extra: _text(turn[extra], f"{field}.{extra}")
+                for extra in ("tool_call_id", "name")
+                if turn.get(extra) is not None
+            }
+            message["tool_call_id"] = pairing.result(extras.get("tool_call_id"), field)
+            if "name" in extras:
+                message["name"] = extras["name"]
         messages.append(message)
     return messages
 
 
-def _chat_calls(turn: dict, field: str, index: int) -> list[dict]:
+def _chat_calls(turn: dict, field: str, index: int, pairing: _Pairing) -> list[dict]:
     """An assistant turn's `tool_calls` (or legacy `function_call`), normalized."""
     if turn.get("tool_calls"):
         calls, calls_field = turn["tool_calls"], f"{field}.tool_calls"
@@ -392,7 +456,10 @@ def _chat_calls(turn: dict, field: str, index: int) -> list[dict]:
     else:
         return []
     return [
-        _tool_call(call, f"{calls_field}[{k}]", f"call_{index}_{k}") for k, call in enumerate(calls)
+        pairing.call(
+            _tool_call(call, f"{calls_field}[{k}]", f"call_{index}_{k}"), f"{calls_field}[{k}]"
+        )
+        for k, call in enumerate(calls)
     ]
 
 
@@ -406,9 +473,7 @@ def _tool_call(call: Any, field: str, default_id: str) -> dict:
     name = function.get("name")
     if not isinstance(name, str) or not name:
         raise BadRow(f"{field}.function.name: missing")
-    arguments = function.get("arguments", {})
-    if not isinstance(arguments, str):
-        arguments = json.dumps(arguments, ensure_ascii=False)
+    arguments = _arguments(function.get("arguments", {}), f"{field}.function.arguments")
     call_id = call.get("id") or default_id
     if not isinstance(call_id, str):
         raise BadRow(f"{field}.id: expected a string, got {_type_name(call_id)}")
@@ -417,6 +482,25 @@ def _tool_call(call: Any, field: str, default_id: str) -> dict:
         "type": "function",
         "function": {"name": name, "arguments": arguments},
     }
+
+
+def _arguments(arguments: Any, field: str) -> str:
+    """Call arguments as JSON text encoded exactly once: values are dumped, JSON text is kept,
+    and a double-encoded object or array (a JSON string holding its JSON text) is decoded once."""
+    if not isinstance(arguments, str):
+        return json.dumps(arguments, ensure_ascii=False)
+    try:
+        decoded = json.loads(arguments)
+    except json.JSONDecodeError:
+        raise BadRow(f"{field}: not valid JSON") from None
+    if isinstance(decoded, str):
+        try:
+            inner = json.loads(decoded)
+        except json.JSONDecodeError:
+            return arguments
+        if isinstance(inner, (dict, list)):
+            return decoded
+    return arguments
 
 
 _ADAPTERS: dict[str, Callable[[dict], list[dict]]] = {

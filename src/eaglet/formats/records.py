@@ -16,6 +16,7 @@ RESPONSE_FIELDS = (
     "output_ids",
     "prompt_tokens",
     "completion_tokens",
+    "server_completion_tokens",
     "finish_reason",
     "backend",
     "model",
@@ -54,6 +55,7 @@ def response_record(prompt: dict, result: dict, backend: str, sampling: dict) ->
         "sampling": sampling,
         "reasoning": None,
         "output_ids": None,
+        "server_completion_tokens": None,
         "cost": None,
         "attempts": 1,
     }

@@ -360,6 +360,7 @@ def _prompts_slice(keys: Keys, ds: str) -> tuple[dict, dict]:
         "max_samples": d.get("max_samples"),
         "seed": d.get("prompt_seed", p.data["prompts"]["seed"]),
         "max_prompt_tokens": max_prompt_tokens,
+        "grammar": p.target["grammar"],  # spells the tool-call ids
     }
     if max_prompt_tokens:
         slice_["target"] = keys.target_identity()
@@ -369,6 +370,7 @@ def _prompts_slice(keys: Keys, ds: str) -> tuple[dict, dict]:
 def _responses_slice(keys: Keys, ds: str) -> tuple[dict, dict]:
     p = keys.params
     sampling = p.generation(ds)
+    sampling.pop("max_token_drift")  # a check: stops or passes, changes no byte
     backend = p.backend_identity(sampling.pop("backend"))
     d = p.dataset(ds)
     slice_ = {
@@ -376,9 +378,9 @@ def _responses_slice(keys: Keys, ds: str) -> tuple[dict, dict]:
         "sampling": sampling,
         "token_budget": d.get("token_budget"),
         "max_cost_usd": d.get("max_cost_usd"),
+        "grammar": p.target["grammar"],  # writes the text answers as the target's tokens
     }
-    if backend["kind"] in ("transformers", "sglang", "vllm"):
-        slice_["target"] = keys.target_identity()
+    slice_["target"] = keys.target_identity()  # generates, or tokenizes the answers of an API
     return slice_, {"prompts": keys.key("prompts", ds)}
 
 

@@ -207,15 +207,54 @@ def _quiet_hub_bars() -> None:
 
 def load_tokenizer(spec: TargetSpec) -> Any:
     """The target's tokenizer, by its own class when its code is trusted; checked so that each
-    of its special tokens (thinking, role and tool-call markers) encodes to one id."""
+    marker its chat template emits (thinking, role and tool-call markers) and each special token
+    encodes to one id, and that no id lies past the model's embedding rows."""
     from transformers import AutoTokenizer
 
     check_trust(spec)
-    tok = AutoTokenizer.from_pretrained(
-        materialize(spec), revision=spec.revision, trust_remote_code=spec.trust_remote_code
-    )
+    try:
+        tok = AutoTokenizer.from_pretrained(
+            materialize(spec), revision=spec.revision, trust_remote_code=spec.trust_remote_code
+        )
+    except ImportError as e:  # ModuleNotFoundError too
+        if not spec.trust_remote_code:
+            raise
+        raise EagletError(_code_import_error(spec, e)) from None
     check_special_tokens(spec, tok)
+    check_vocab(spec, tok)
     return tok
+
+
+def _code_import_error(spec: TargetSpec, error: ImportError) -> str:
+    """One line for repository code that does not import on the installed transformers: the
+    file (the deepest repository module in the traceback, else the one auto_map names), the
+    error in short, the transformers version and what to do."""
+    import traceback
+
+    import transformers
+
+    def repository(filename: str) -> bool:  # run from the modules cache, or the folder itself
+        path = Path(filename)
+        return "transformers_modules" in path.parts or path.parent == Path(spec.location)
+
+    ours = [f.filename for f in traceback.extract_tb(error.__traceback__) if repository(f.filename)]
+    if ours:
+        file = Path(ours[-1]).name
+    else:  # raised before the module ran (transformers' check of its imports)
+        auto = _json_file(spec, "tokenizer_config.json").get("auto_map") or {}
+        refs = auto.get("AutoTokenizer") if isinstance(auto, dict) else None
+        ref = next((r for r in (refs if isinstance(refs, list) else [refs]) if r), None)
+        module = ref.split("--")[-1].rsplit(".", 1)[0] if isinstance(ref, str) else None
+        file = f"{module}.py" if module else "the repository's code"
+    first = (str(error).splitlines() or [""])[0]
+    short = re.sub(r" \([^()]*[/\\][^()]*\)$", "", first)  # without the module's path
+    version = transformers.__version__
+    return (
+        f"target {spec.name}: {file}: the repository's tokenizer code does not import on "
+        f"transformers {version} ({type(error).__name__}: {short}): use a target.revision whose "
+        f"code loads on transformers {version}, or pin the transformers version it was written "
+        "for (pip install transformers==<version>)"
+    )
 
 
 def _json_file(spec: TargetSpec, name: str) -> dict:
@@ -256,21 +295,92 @@ def check_trust(spec: TargetSpec) -> None:
 
 
 def check_special_tokens(spec: TargetSpec, tokenizer: Any) -> None:
-    """Each special token of the target's tokenizer config must encode to its one id."""
+    """Each token of the target's tokenizer config (`added_tokens_decoder`) that is flagged
+    special or that its chat template emits must encode to its one id, whatever its `special`
+    flag: Kimi's tool-call markers are `special: false` yet one token each to the target."""
     config = _json_file(spec, "tokenizer_config.json")
     added = config.get("added_tokens_decoder") or {}
+    template = chat_template_text(spec, tokenizer, config)
     for tid, token in sorted(added.items(), key=lambda kv: int(kv[0])):
         content = token.get("content") if isinstance(token, dict) else None
-        if not content or not token.get("special", True):
+        if not content:
+            continue
+        special = token.get("special", True)
+        if not special and content not in template:
             continue
         ids = tokenizer.encode(content, add_special_tokens=False)
         if ids != [int(tid)]:
+            kind = "special token" if special else "chat template marker"
             raise EagletError(
-                f"target {spec.name}: tokenizer_config.json: special token {content!r} encodes "
+                f"target {spec.name}: tokenizer_config.json: {kind} {content!r} encodes "
                 f"to {ids}, not its one id [{tid}] ({type(tokenizer).__name__}); the target "
                 "reads it as one token: its own tokenizer class is needed "
                 "(target.trust_remote_code)"
             )
+
+
+def chat_template_text(spec: TargetSpec, tokenizer: Any, config: dict | None = None) -> str:
+    """All chat template text of the target: the tokenizer's own (one or named templates), the
+    tokenizer config's `chat_template`, and chat_template.jinja when nothing else has one."""
+    parts: list[str] = []
+
+    def add(template: Any) -> None:
+        if isinstance(template, str):
+            parts.append(template)
+        elif isinstance(template, dict):
+            for t in template.values():
+                add(t)
+        elif isinstance(template, list):  # tokenizer_config: [{"name": ..., "template": ...}]
+            for t in template:
+                add(t.get("template") if isinstance(t, dict) else t)
+
+    if config is None:
+        config = _json_file(spec, "tokenizer_config.json")
+    add(getattr(tokenizer, "chat_template", None))
+    add(config.get("chat_template"))
+    if not parts:
+        try:
+            path = _fetch(spec, "chat_template.jinja")
+            parts.append(path.read_text() if path.is_file() else "")
+        except Exception:  # a hub target without the file
+            pass
+    return "\n".join(parts)
+
+
+def check_vocab(spec: TargetSpec, tokenizer: Any) -> None:
+    """Every id the tokenizer can produce must have a row in the model's embeddings
+    (config.json's `vocab_size`): a larger one is an `IndexError: index out of range` deep in
+    the model later. Reads config.json and the tokenizer's own counts only."""
+    text, prefix = text_config(read_config(spec)[0])
+    vocab = text.get("vocab_size")
+    if not isinstance(vocab, int):
+        return  # the stages that need it name it (need())
+    config = _json_file(spec, "tokenizer_config.json").get("added_tokens_decoder") or {}
+    own = getattr(tokenizer, "added_tokens_decoder", None) or {}
+    largest = {  # largest id -> the file it comes from (the config's, on a tie)
+        len(tokenizer) - 1: "tokenizer",
+        max((int(i) for i in own), default=-1): "tokenizer",
+        max((int(i) for i in config if str(i).isdigit()), default=-1): "tokenizer_config.json",
+    }
+    top = max(largest)
+    if top >= vocab:
+        file = largest[top] if largest[top] != "tokenizer" else _vocab_file(spec, tokenizer)
+        raise EagletError(
+            f"target {spec.name}: {file}: token id {top} (of {len(tokenizer)} tokens) is past "
+            f"the model's embedding rows: config.json: {prefix}vocab_size is {vocab} "
+            f"(ids 0..{vocab - 1}); this tokenizer is not the model's"
+        )
+
+
+def _vocab_file(spec: TargetSpec, tokenizer: Any) -> str:
+    """The file a tokenizer's vocabulary was read from (tokenizer.json, tiktoken.model ...)."""
+    names = list((getattr(tokenizer, "vocab_files_names", None) or {}).values())
+    if getattr(tokenizer, "is_fast", False):
+        names.insert(0, "tokenizer.json")
+    folder = Path(materialize(spec))
+    if folder.is_dir():
+        names = [n for n in names if (folder / n).is_file()]
+    return names[0] if names else "tokenizer files"
 
 
 def _fetch(spec: TargetSpec, name: str) -> Path:
@@ -317,21 +427,32 @@ def need(config: dict, field: str, where: str, prefix: str = "") -> Any:
     return config[field]
 
 
+# model_type names a target family ships that transformers builds with another of its own
+# classes: Kimi-K2 / K2.5 write `kimi_k2` (their remote code is a DeepSeek-V3 copy), which
+# transformers itself maps to `deepseek_v3` (its kimi_k25 config does so for text_config).
+MODEL_TYPE_ALIASES = {"kimi_k2": "deepseek_v3"}
+
+
 def load_config(spec: TargetSpec) -> Any:
     """The target's language model as a transformers config, without loading weights or remote
-    code: a wrapper's `text_config` is built with transformers' own class for its model_type."""
-    from transformers import AutoConfig
+    code: a wrapper's `text_config` is built with transformers' own class for its model_type
+    (an alias of MODEL_TYPE_ALIASES: the class it names)."""
+    from transformers import CONFIG_MAPPING, AutoConfig
 
     check_trust(spec)
     raw, where = read_config(spec)
     text, prefix = text_config(raw)
     model_type = need(text, "model_type", where, prefix)
-    try:
-        return AutoConfig.for_model(**text)
-    except ValueError:
+    fields = {k: v for k, v in text.items() if k != "model_type"}
+    name = MODEL_TYPE_ALIASES.get(model_type, model_type)
+    if name not in CONFIG_MAPPING:
         raise EagletError(
             f"{where}: {prefix}model_type: '{model_type}' is not a transformers model type"
-        ) from None
+        )
+    try:
+        return AutoConfig.for_model(name, **fields)
+    except (ValueError, TypeError) as e:
+        raise EagletError(f"{where}: {prefix.rstrip('.') or 'config'}: {e}") from None
 
 
 def weight_index(spec: TargetSpec) -> dict[str, str]:
@@ -375,7 +496,8 @@ def load_model(spec: TargetSpec, device: str = "auto", dtype: str = "auto") -> A
     kw: dict[str, Any] = {"revision": spec.revision, "dtype": torch_dtype(dtype, device)}
     raw, _ = read_config(spec)
     prefix = text_prefix(spec, weight_index(spec))
-    if "text_config" in raw or prefix:
+    aliased = text_config(raw)[0].get("model_type") in MODEL_TYPE_ALIASES
+    if "text_config" in raw or prefix or aliased:
         kw["config"] = load_config(spec)
         kw["key_mapping"] = {f"^{re.escape(prefix)}": ""} if prefix else None
     model = AutoModelForCausalLM.from_pretrained(materialize(spec), **kw)

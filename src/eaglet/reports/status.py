@@ -115,6 +115,12 @@ def _summary(row: dict) -> str:
             text += f", {g['failed']} failed"
         if g["cost"]:
             text += f", ${g['cost']:.4f}"
+        drift = st.get("token_drift")
+        if drift and drift["records"]:
+            text += f", token drift {drift['drift']:.2%}"
+            text += f" (worst {drift['worst']['id']})" if drift["worst"] else ""
+        if st.get("from_grammar"):
+            text += f", {st['from_grammar']} written in the target's grammar"
         run = g["run"]
         if run and run["state"] in ("running", "stalled"):
             text += (

@@ -13,24 +13,31 @@ One line per answer, in either schema the old scripts wrote (or eaglet's own rec
 
 The prompt is `prompt` (messages), or `messages` / `conversations` (ShareGPT) cut before their
 final assistant turn, or, by `id`, a prompt of the dataset. The answer is `response`, `text`,
-`content`, `output` or `choices[0].message.content`, else that final assistant turn. Completion
-tokens: `completion_tokens`, `usage.completion_tokens`, `meta_info.completion_tokens`, the length
-of `output_ids`, else counted with the target tokenizer.
+`content`, `output` or `choices[0].message.content`, else that final assistant turn; its
+reasoning `reasoning` / `reasoning_content` (top level or in `choices[0].message`), its tool
+calls `tool_calls` (likewise), and `output_ids` when the engine returned them. Generated tokens:
+the length of `output_ids`, else the file's count (`completion_tokens`, `usage.
+completion_tokens`, `meta_info.completion_tokens`), else counted with the target tokenizer; the
+file's count is kept beside, and the summary gives the drift between the two (the responses
+stage stops past `generation.max_token_drift`).
 """
 
 from __future__ import annotations
 
+import json
 from collections import Counter
 from pathlib import Path
 from typing import Any
 
 from eaglet.errors import EagletError
 from eaglet.formats.datasets import BadRow, prompt_of, to_messages
+from eaglet.formats.grammar import grammar, rename_calls
 from eaglet.formats.io import read_jsonl
 from eaglet.formats.readers import iter_rows
+from eaglet.formats.records import response_record
 from eaglet.formats.store import Store
 from eaglet.params import Params
-from eaglet.stages.generate import resolve
+from eaglet.stages.generate import Streams, resolve
 
 ANSWER_KEYS = ("response", "text", "content", "output")
 
@@ -42,16 +49,56 @@ def _conversation(row: dict) -> list[dict] | None:
     return None
 
 
+def _message(row: dict) -> dict:
+    """`choices[0].message` of an OpenAI-style row, or {}."""
+    choices = row.get("choices")
+    if isinstance(choices, list) and choices and isinstance(choices[0], dict):
+        message = choices[0].get("message")
+        return message if isinstance(message, dict) else {}
+    return {}
+
+
 def _answer(row: dict) -> str | None:
     for key in ANSWER_KEYS:
         if isinstance(row.get(key), str):
             return row[key]
-    choices = row.get("choices")
-    if isinstance(choices, list) and choices and isinstance(choices[0], dict):
-        content = (choices[0].get("message") or {}).get("content")
-        if isinstance(content, str):
-            return content
+    content = _message(row).get("content")
+    if isinstance(content, str):
+        return content
+    if content is None and _message(row).get("tool_calls"):
+        return ""
     return None
+
+
+def _reasoning(row: dict) -> str | None:
+    for where in (row, _message(row)):
+        for key in ("reasoning_content", "reasoning"):
+            value = where.get(key)
+            if value is not None:
+                if not isinstance(value, str):
+                    raise BadRow(f"{key}: expected a string")
+                return value or None
+    return None
+
+
+def _calls(row: dict) -> list[dict] | None:
+    calls = row.get("tool_calls") or _message(row).get("tool_calls")
+    if not calls:
+        return None
+    if not isinstance(calls, list):
+        raise BadRow("tool_calls: expected a list")
+    out = []
+    for k, call in enumerate(calls):
+        fn = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+            raise BadRow(f"tool_calls[{k}].function.name: missing")
+        args = fn.get("arguments", "{}")
+        args = args if isinstance(args, str) else json.dumps(args, ensure_ascii=False)
+        call_id = call.get("id") or f"call_{k}"
+        out.append(
+            {"id": call_id, "type": "function", "function": {"name": fn["name"], "arguments": args}}
+        )
+    return out
 
 
 def _finish(row: dict) -> str:
@@ -71,11 +118,13 @@ def normalize(row: dict, prompts: dict[str, list], count) -> tuple[str, list[dic
             convo = prompts[row["id"]]
         else:
             raise BadRow("no prompt: expected prompt, messages, conversations or a known id")
-    answer = _answer(row)
+    answer, reasoning, calls = _answer(row), _reasoning(row), _calls(row)
     if answer is None:
         if not convo or convo[-1]["role"] != "assistant":
             raise BadRow("no answer: expected response/text/content or a final assistant turn")
-        answer = convo[-1]["content"]
+        last = convo[-1]
+        answer, reasoning = last["content"], reasoning or last.get("reasoning_content")
+        calls = calls or last.get("tool_calls")
     prompt = prompt_of(convo)
     usage = row.get("usage") if isinstance(row.get("usage"), dict) else {}
     meta = row.get("meta_info") if isinstance(row.get("meta_info"), dict) else {}
@@ -85,7 +134,7 @@ def normalize(row: dict, prompts: dict[str, list], count) -> tuple[str, list[dic
     ):
         raise BadRow("output_ids: expected a list of integers")
     schema = "sglang" if output_ids is not None or meta else "openai"
-    tokens = next(
+    server = next(
         (
             v
             for v in (
@@ -97,20 +146,22 @@ def normalize(row: dict, prompts: dict[str, list], count) -> tuple[str, list[dic
         ),
         None,
     )
+    if server is not None and (not isinstance(server, int) or server < 0):
+        raise BadRow(f"completion_tokens: expected a count, got {server!r}")
+    tokens = len(output_ids) if output_ids is not None else server
     if tokens is None:
-        tokens = len(output_ids) if output_ids is not None else count(answer)
-    if not isinstance(tokens, int) or tokens < 0:
-        raise BadRow(f"completion_tokens: expected a count, got {tokens!r}")
+        tokens = count((reasoning or "") + answer)
     cost = row.get("cost", usage.get("cost"))
     if cost is not None and not isinstance(cost, int | float):
         raise BadRow(f"cost: expected a number, got {cost!r}")
     result = {
         "response": answer,
-        "reasoning": row.get("reasoning"),
+        "reasoning": reasoning,
         "output_ids": output_ids,
         "prompt_tokens": row.get("prompt_tokens", usage.get("prompt_tokens"))
         or meta.get("prompt_tokens"),
         "completion_tokens": tokens,
+        "server_completion_tokens": server,
         "finish_reason": _finish(row),
         "model": row.get("model"),
         "cost": cost,
@@ -118,14 +169,19 @@ def normalize(row: dict, prompts: dict[str, list], count) -> tuple[str, list[dic
         "attempts": row.get("attempts", 1),
         "meta": {"imported": True, **({"meta_info": meta} if meta else {})},
     }
+    if calls:
+        result["tool_calls"] = calls
     return schema, prompt, result
 
 
 def import_file(params: Params, dataset: str, path: Path) -> dict:
     """Normalize every line of `path` into the store, all or nothing; return a summary."""
     _, j = resolve(params, dataset)
-    prompts = {p["id"]: p["messages"] for p in read_jsonl(j.prompts)}
-    keys_of_dataset = {j.keyfn(m) for m in prompts.values()}
+    g = grammar(j.grammar)
+    records = {p["id"]: p for p in read_jsonl(j.prompts)}
+    prompts = {pid: p["messages"] for pid, p in records.items()}
+    of_dataset = {j.keyfn(p["messages"]): p for p in records.values()}
+    streams = Streams(j)
     tokenizer: list[Any] = []
 
     def count(text: str) -> int:
@@ -145,19 +201,26 @@ def import_file(params: Params, dataset: str, path: Path) -> dict:
                     if error is not None:
                         raise BadRow(error)
                     schema, prompt, result = normalize(row, prompts, count)
+                    prompt = rename_calls(prompt, g)
                 except BadRow as e:
                     raise EagletError(f"{path}:{line}: {e}") from None
                 key = j.keyfn(prompt)
+                if key in of_dataset:  # the stream it will be stored as: checked, counted
+                    rec = response_record(of_dataset[key], dict(result), "import", {})
+                    try:
+                        streams.add(rec)
+                    except EagletError as e:
+                        raise EagletError(f"{path}:{line}: {e}") from None
                 if not store.get_many([key]):
                     summary["new"] += 1
                 store.put(key, j.keyfn.backend, result)
                 schemas[schema] += 1
                 summary["records"] += 1
-                summary["in_dataset"] += key in keys_of_dataset
+                summary["in_dataset"] += key in of_dataset
                 summary["completion_tokens"] += result["completion_tokens"]
                 summary["cost"] += result["cost"] or 0.0
     finally:
         store.close()
     if not summary["records"]:
         raise EagletError(f"{path}: no records")
-    return {**summary, "schemas": dict(schemas)}
+    return {**summary, "schemas": dict(schemas), **streams.stats()}

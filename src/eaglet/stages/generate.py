@@ -1,5 +1,9 @@
 """The responses stage: the target regenerates the last assistant turn of every prompt.
 
+Each record holds the tokens the target generated (`output_ids`): an engine's own, or a text
+answer written in the target's output grammar and checked by round trip (`formats/stream.py`);
+their count against the server's is checked per dataset (`generation.max_token_drift`).
+
 Prompts stream from the prompts artifact in their seeded order. Each is looked up in the
 response store by its request key; misses go to the backend through a bounded queue and a fixed
 pool of `concurrency` workers (never one task per prompt), and every outcome is committed to the
@@ -27,11 +31,13 @@ from pathlib import Path
 from eaglet.engines.http import Abort
 from eaglet.engines.lookup import Backend, generator
 from eaglet.errors import EagletError
+from eaglet.formats.grammar import answer_calls, grammar
 from eaglet.formats.io import dumps, read_json, read_jsonl, write_json, write_jsonl_zst
 from eaglet.formats.records import response_record
 from eaglet.formats.store import RequestKeys, Store, store_path
+from eaglet.formats.stream import Drift, Writer
 from eaglet.graph.keys import Keys, Spec, sidecar_of
-from eaglet.model.target import TargetSpec
+from eaglet.model.target import TargetSpec, load_tokenizer
 from eaglet.params import Params
 from eaglet.progress import Progress
 
@@ -59,6 +65,8 @@ class Job:
     max_cost_usd: float | None
     overall: dict
     response_key: str
+    grammar: str  # the target's output grammar: text answers -> its tokens
+    max_token_drift: float
 
     def chunks(self) -> Iterator[list[tuple[dict, str]]]:
         """(prompt, request key) pairs in prompt order, CHUNK at a time."""
@@ -114,6 +122,8 @@ def resolve(params: Params, dataset: str, keys: Keys | None = None) -> tuple[Spe
         max_cost_usd=v["max_cost_usd"],
         overall=params.data["budget"],
         response_key=spec.key,
+        grammar=v["grammar"],
+        max_token_drift=params.generation(dataset)["max_token_drift"],
     )
     return spec, job
 
@@ -350,7 +360,7 @@ def plan_output(job: Job, store: Store) -> dict:
 
 
 def output_records(job: Job, store: Store, n: int) -> Iterator[dict]:
-    """The first `n` response records in prompt order, read from the store."""
+    """The first `n` response records in prompt order, read from the store (as stored)."""
     left = n
     for chunk in job.chunks():
         if not left:
@@ -360,15 +370,54 @@ def output_records(job: Job, store: Store, n: int) -> Iterator[dict]:
         for prompt, key in part:
             row = rows[key]
             result = dict(row["result"], attempts=row["attempts"])
+            result.setdefault("server_completion_tokens", result["completion_tokens"])
             yield response_record(prompt, result, job.backend, job.sampling)
         left -= len(part)
+
+
+class Streams:
+    """Response records -> the target's generated tokens (`output_ids`: the engine's, or a text
+    answer written in the target's grammar and read back), the stored count their length, and
+    the drift of that count from the server's over the dataset."""
+
+    def __init__(self, job: Job):
+        self.job, self.grammar = job, grammar(job.grammar)
+        self.writer: Writer | None = None
+        self.drift = Drift()
+
+    def add(self, rec: dict) -> dict:
+        if rec["output_ids"] is None:
+            if self.writer is None:
+                self.writer = Writer(load_tokenizer(self.job.target), self.grammar)
+            if rec.get("tool_calls"):
+                rec["tool_calls"] = answer_calls(rec["tool_calls"], rec["messages"], self.grammar)
+            rec["output_ids"] = self.writer.output_ids(rec)
+        rec["completion_tokens"] = len(rec["output_ids"])
+        self.drift.add(rec["id"], rec["completion_tokens"], rec["server_completion_tokens"])
+        return rec
+
+    def stats(self) -> dict:
+        w = self.writer
+        grammar_made = w.counts["grammar"] if w else 0
+        out = {"token_drift": self.drift.summary(), "from_grammar": grammar_made}
+        if w is not None and w.parsers is not None:
+            out["round_trip"] = f"{w.parsers.source}'s {self.grammar.name} parsers"
+        return out
+
+    def check(self) -> None:
+        self.drift.check(self.job.dataset, self.job.max_token_drift)
 
 
 def write_output(job: Job, store: Store, out: Path, prov: dict, extra: dict) -> dict:
     """Write the sidecar, then the records (atomically each); return the stats."""
     stats = {"prompts": job.count(), **plan_output(job, store), **extra}
+    st = Streams(job)
+    records = [st.add(r) for r in output_records(job, store, stats["responses"])]
+    st.check()
+    stats |= st.stats()
+    stats["completion_tokens"] = sum(r["completion_tokens"] for r in records)
     write_json(sidecar_of(out), {"provenance": prov, "stats": stats})
-    write_jsonl_zst(out, output_records(job, store, stats["responses"]))
+    write_jsonl_zst(out, records)
     return stats
 
 

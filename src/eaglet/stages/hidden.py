@@ -1,10 +1,10 @@
 """The hidden-states stage: the target re-reads every prompt + response; its features are stored.
 
-Per response the sequence is the target's chat template over the prompt messages plus the
-assistant turn. With the record's `output_ids` (what the target generated, stop token included)
-it is exactly prompt ids + output ids; without them (API backends) the turn is derived from the
-template itself (`chat.assistant_turn`). The loss mask is True on the turn's tokens only. Each
-sequence is cut at the dataset's `max_length` (default `target.max_length`).
+Per response the sequence is the prompt as the target's template renders it with the
+generation prompt, then exactly the tokens the target generated (`output_ids`, end token
+included: the engine's, or a text answer written in the target's grammar by the responses
+stage). The loss mask is True on the generated tokens only. Each sequence is cut at the
+dataset's `max_length` (default `target.max_length`).
 
 The target is run once per sequence (batched by length) and the outputs of the aux layers
 (SGLang ids, default [1, N//2-1, N-4]) and the final post-norm state are stored in shards
@@ -25,7 +25,7 @@ from typing import Any
 
 from eaglet.engines.lookup import hidden_states
 from eaglet.errors import EagletError
-from eaglet.formats.chat import assistant_turn, prompt_ids, stop_ids
+from eaglet.formats.chat import prompt_ids
 from eaglet.formats.hidden_store import FORMAT, PartialDir, Storage
 from eaglet.formats.io import dumps, read_jsonl, write_json
 from eaglet.graph.keys import Keys, Spec, sidecar_of
@@ -77,8 +77,8 @@ class Target:
         self.spec = target
         self.tokenizer = load_tokenizer(target)
         self.config = load_config(target)
-        self.stop = stop_ids(self.tokenizer, self.config)
         self.max_length = max_length
+        self.vocab_rows = self.config.vocab_size
         cfg = {k: v for k, v in self.config.to_dict().items() if k not in VOLATILE_CONFIG_KEYS}
         self.identity = {
             **identity,
@@ -95,23 +95,17 @@ class Target:
 
 def sequence(rec: dict, target: Target) -> tuple[dict | None, dict]:
     """Token ids and loss mask of one response record, or None and why it was skipped."""
-    info: dict[str, Any] = {"source": "output_ids" if rec.get("output_ids") is not None else ""}
-    if info["source"]:
-        prompt = prompt_ids(target.tokenizer, rec["messages"], rec.get("tools"))
-        turn = list(rec["output_ids"])
-    else:
-        info["source"] = "template"
-        prompt, turn, rendered = assistant_turn(
-            target.tokenizer,
-            rec["messages"],
-            rec["response"] or "",
-            rec.get("reasoning"),
-            target.stop,
-            finished=rec.get("finish_reason") != "length",
-            tools=rec.get("tools"),
-            tool_calls=rec.get("tool_calls"),
+    if rec.get("output_ids") is None:
+        raise EagletError(
+            "no output_ids: the responses were written by an eaglet before the target's own "
+            "streams (rerun: eaglet generate; the store keeps every answer)"
         )
-        info["reasoning_not_rendered"] = bool(rec.get("reasoning")) and not rendered
+    info: dict[str, Any] = {"source": "output_ids"}
+    prompt = prompt_ids(target.tokenizer, rec["messages"], rec.get("tools"))
+    turn = list(rec["output_ids"])
+    bad = [t for t in turn if not 0 <= t < target.vocab_rows]
+    if bad:
+        raise EagletError(f"output id {bad[0]} outside the target's {target.vocab_rows} rows")
     if not turn:
         return None, {**info, "skipped": "empty_response"}
     ids = prompt + turn
@@ -144,7 +138,6 @@ def sequences(records: list[dict], target: Target, source: Path) -> tuple[list[d
         except EagletError as e:
             raise EagletError(f"{source}: response {rec.get('id')}: {e}") from None
         counts[f"from_{info['source']}"] += 1
-        counts["reasoning_not_rendered"] += info.get("reasoning_not_rendered", False)
         if sample is None:
             counts[f"skipped_{info['skipped']}"] += 1
             continue

@@ -14,6 +14,7 @@ from pathlib import Path
 
 from eaglet.errors import EagletError
 from eaglet.formats.datasets import BadRow, prompt_of, to_messages, tools_of
+from eaglet.formats.grammar import Grammar, grammar, rename_calls
 from eaglet.formats.io import write_json, write_jsonl_zst
 from eaglet.formats.readers import iter_rows
 from eaglet.formats.records import prompt_record
@@ -24,8 +25,11 @@ from eaglet.params import Params
 SHOWN_ERRORS = 5
 
 
-def collect(source: Path, fmt: str, dataset: str) -> tuple[list[dict], dict]:
-    """Read and adapt every row of `source`; return prompt records (file order) and stats."""
+def collect(
+    source: Path, fmt: str, dataset: str, g: Grammar | None = None
+) -> tuple[list[dict], dict]:
+    """Read and adapt every row of `source`; return prompt records (file order) and stats.
+    Tool-call ids are the target's own (grammar `g`), as it wrote them in the conversation."""
     records, bad = [], []
     rows = 0
     for line, row, error in iter_rows(source):
@@ -34,6 +38,7 @@ def collect(source: Path, fmt: str, dataset: str) -> tuple[list[dict], dict]:
             if error is not None:
                 raise BadRow(error)
             messages = prompt_of(to_messages(row, fmt))
+            messages = rename_calls(messages, g) if g else messages
             tools = tools_of(row)
         except BadRow as e:
             bad.append({"line": line, "reason": str(e)})
@@ -93,7 +98,7 @@ def build(params: Params, dataset: str, out: Path | None = None) -> Path:
 def run(spec: Spec, setup: Setup, out: Path) -> Path:
     """Write the prompt records `spec` describes, and their sidecar, at `out`."""
     v, source = spec.values, setup.source
-    records, stats = collect(source, v["format"], spec.name)
+    records, stats = collect(source, v["format"], spec.name, grammar(v["grammar"]))
     for b in stats["bad_examples"]:
         print(f"eaglet: {source}:{b['line']}: skipped: {b['reason']}", file=sys.stderr)
     if stats["bad_rows"] > len(stats["bad_examples"]):

@@ -1,0 +1,172 @@
+"""The generated part of a sample: exactly the tokens the target emitted after its prompt.
+
+Engines that return token ids (SGLang `/generate`, vLLM, in-process) give them as they are. For
+text backends the answer's reasoning, content and tool calls are written in the target's output
+grammar (`formats/grammar.py`) after the prompt its template renders with the generation prompt,
+tokenized, and proven by round trip: decoded, the stream must parse back through the serving
+engine's own reasoning and tool-call parsers (vLLM's, where installed; else eaglet's reading of
+the grammar, and the sidecar says which) to what was received. One that does not stops the
+stage naming the record.
+
+Token counts: the stored count is the stream's length; the server's count (`usage.
+completion_tokens`, which counts reasoning, or SGLang's `meta_info`) is kept beside it, and their
+gap per dataset is the drift a stage checks against `generation.max_token_drift`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from eaglet.errors import EagletError
+from eaglet.formats.chat import render
+from eaglet.formats.grammar import Answer, Call, Grammar, GrammarError
+
+
+class RoundTripError(EagletError):
+    """A written stream that the engine's parsers do not read back to the answer received."""
+
+
+class Parsers:
+    """The serving engine's parsers of `grammar` (vLLM's registries), or eaglet's reading."""
+
+    def __init__(self, grammar: Grammar, tokenizer: Any):
+        self.grammar, self.tokenizer = grammar, tokenizer
+        self.reasoning_cls = self.tool_cls = None
+        self.source = "eaglet"
+        if grammar.reasoning_parser or grammar.tool_parser:
+            try:
+                import vllm
+                from vllm.reasoning import ReasoningParserManager
+                from vllm.tool_parsers import ToolParserManager
+            except ImportError:
+                return
+            if grammar.reasoning_parser:
+                self.reasoning_cls = ReasoningParserManager.get_reasoning_parser(
+                    grammar.reasoning_parser
+                )
+            if grammar.tool_parser:
+                self.tool_cls = ToolParserManager.get_tool_parser(grammar.tool_parser)
+            self.source = f"vllm {vllm.__version__}"
+
+    def parse(self, prompt: str, text: str, tools: list[dict] | None) -> Answer:
+        if self.source == "eaglet":
+            return self.grammar.parse(prompt, text)
+        from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
+
+        request = ChatCompletionRequest(
+            model="eaglet", messages=[{"role": "user", "content": "-"}], tools=tools or None
+        )
+        reasoning, content = None, text
+        if self.reasoning_cls is not None:
+            thinking = self.grammar.thinking(prompt) or text.startswith("<think>")
+            parser = self.reasoning_cls(self.tokenizer, chat_template_kwargs={"thinking": thinking})
+            reasoning, content = parser.extract_reasoning(text, request)
+        calls: tuple[Call, ...] = ()
+        if self.tool_cls is not None and content:
+            info = self.tool_cls(self.tokenizer).extract_tool_calls(content, request)
+            if info.tools_called:
+                content = info.content or ""
+                calls = tuple(
+                    Call(c.id or "", c.function.name, c.function.arguments) for c in info.tool_calls
+                )
+        return Answer(reasoning or "", content or "", calls)
+
+
+def agrees(got: Answer, want: Answer) -> str | None:
+    """What differs between the parsed stream and the answer received, or None. The engine's
+    parsers trim trailing reasoning whitespace and whitespace-only content before tool calls;
+    nothing else is forgiven."""
+    if got.reasoning.rstrip() != want.reasoning.rstrip():
+        return f"reasoning {got.reasoning[:40]!r} != {want.reasoning[:40]!r}"
+    content_got, content_want = got.content, want.content
+    if want.calls:
+        content_got, content_want = content_got.strip(), content_want.strip()
+    if content_got != content_want:
+        return f"content {got.content[:40]!r} != {want.content[:40]!r}"
+    a = [(c.id, c.name, c.arguments.strip()) for c in got.calls]
+    b = [(c.id, c.name, c.arguments.strip()) for c in want.calls]
+    if a != b:
+        return f"tool calls {a} != {b}"
+    return None
+
+
+@dataclass
+class Writer:
+    """Turns response records into the target's output stream, for one dataset."""
+
+    tokenizer: Any
+    grammar: Grammar
+    parsers: Parsers | None = None
+    counts: dict = field(default_factory=lambda: {"engine": 0, "grammar": 0})
+
+    def output_ids(self, rec: dict) -> list[int]:
+        """The record's generated tokens; raises EagletError naming what is wrong."""
+        if rec.get("output_ids") is not None:
+            self.counts["engine"] += 1
+            return list(rec["output_ids"])
+        self.counts["grammar"] += 1
+        prompt = render(self.tokenizer, rec["messages"], rec.get("tools"), prompt=True)
+        answer = Answer.of(rec)
+        try:
+            text = self.grammar.write(prompt, answer)
+        except GrammarError as e:
+            raise EagletError(f"response {rec['id']}: {self.grammar.name} grammar: {e}") from None
+        ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
+        decoded = self.tokenizer.decode(ids, skip_special_tokens=False)
+        if answer.finished:
+            decoded = decoded.removesuffix(self.grammar.end)
+        if self.parsers is None:
+            self.parsers = Parsers(self.grammar, self.tokenizer)
+        got = self.parsers.parse(prompt, decoded, rec.get("tools"))
+        wrong = agrees(got, answer)
+        if wrong:
+            raise RoundTripError(
+                f"response {rec['id']}: the written stream does not parse back through "
+                f"{self.parsers.source}'s {self.grammar.name} parsers: {wrong}"
+            )
+        return ids
+
+
+@dataclass
+class Drift:
+    """Stored generated tokens against the server's count, over one dataset."""
+
+    stored: int = 0
+    server: int = 0
+    gaps: int = 0  # sum of |stored - server| per record: opposite errors do not cancel
+    records: int = 0
+    worst: dict | None = None
+
+    def add(self, rid: str, stored: int, server: int | None) -> None:
+        if server is None:
+            return
+        self.records += 1
+        self.stored += stored
+        self.server += server
+        gap = abs(stored - server)
+        self.gaps += gap
+        if gap and (self.worst is None or gap > self.worst["gap"]):
+            self.worst = {"id": rid, "stored": stored, "server": server, "gap": gap}
+
+    @property
+    def ratio(self) -> float:
+        return self.gaps / self.server if self.server else 0.0
+
+    def summary(self) -> dict:
+        return {
+            "records": self.records,
+            "stored_tokens": self.stored,
+            "server_tokens": self.server,
+            "drift": round(self.ratio, 6),
+            "worst": self.worst,
+        }
+
+    def check(self, dataset: str, limit: float) -> None:
+        if self.ratio > limit:
+            w = self.worst or {}
+            raise EagletError(
+                f"responses {dataset}: generated tokens drift {self.ratio:.1%} from the server's "
+                f"count (limit generation.max_token_drift {limit:.1%}); worst record {w.get('id')}:"
+                f" {w.get('stored')} stored, {w.get('server')} counted by the server"
+            )

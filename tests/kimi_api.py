@@ -1,0 +1,104 @@
+"""A loopback OpenAI-compatible server that answers as Kimi-K2.5's serving stack does.
+
+For each prompt (by its last user message) it holds the token stream the target generated, an
+oracle written by the test in Kimi's output grammar. Its answer is what vLLM's `kimi_k2`
+reasoning and tool-call parsers make of that stream (the parsers a Kimi server runs): the
+reasoning apart (`reasoning`, as OpenRouter names it, or `reasoning_content`, as Moonshot's
+API does), the content, tool calls with the provider's own ids (`call_...`, not Kimi's), and
+usage counting the stream's tokens, reasoning included. So a client that rebuilds the stream
+from the pieces can be checked token by token against what the target emitted.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+END = "<|im_end|>"
+
+
+class KimiAPI:
+    def __init__(self, tokenizer: Any, streams: dict[str, str], field: str = "reasoning"):
+        self.tokenizer, self.streams, self.field = tokenizer, streams, field
+        self.bodies: list[dict] = []
+        self.url = ""
+        self._server: ThreadingHTTPServer | None = None
+
+    def answer(self, body: dict) -> dict:
+        from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
+        from vllm.reasoning.kimi_k2_reasoning_parser import KimiK2ReasoningParser
+        from vllm.tool_parsers.kimi_k2_tool_parser import KimiK2ToolParser
+
+        last = next(m["content"] for m in reversed(body["messages"]) if m["role"] == "user")
+        stream = self.streams[last]
+        ids = self.tokenizer(stream, add_special_tokens=False)["input_ids"]
+        finished = stream.endswith(END)
+        request = ChatCompletionRequest(
+            model="kimi", messages=[{"role": "user", "content": "-"}], tools=body.get("tools")
+        )
+        reasoning, content = KimiK2ReasoningParser(self.tokenizer).extract_reasoning(
+            stream.removesuffix(END), request
+        )
+        message: dict[str, Any] = {"role": "assistant", "content": content or ""}
+        calls = KimiK2ToolParser(self.tokenizer).extract_tool_calls(content or "", request)
+        if calls.tools_called:
+            message["content"] = calls.content or None
+            message["tool_calls"] = [
+                {
+                    "id": "call_" + hashlib.sha256(f"{last}{k}".encode()).hexdigest()[:8],
+                    "type": "function",
+                    "function": {"name": c.function.name, "arguments": c.function.arguments},
+                }
+                for k, c in enumerate(calls.tool_calls)
+            ]
+        if reasoning:
+            message[self.field] = reasoning
+        finish = "tool_calls" if calls.tools_called else "stop"
+        return {
+            "id": "gen-" + hashlib.sha256(last.encode()).hexdigest()[:12],
+            "model": "moonshotai/kimi-k2.5",
+            "provider": "Moonshot AI",
+            "choices": [
+                {"index": 0, "message": message, "finish_reason": finish if finished else "length"}
+            ],
+            "usage": {"prompt_tokens": 40, "completion_tokens": len(ids), "cost": 1e-6 * len(ids)},
+        }
+
+    def start(self) -> KimiAPI:
+        api = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *args):  # quiet
+                pass
+
+            def _send(self, status: int, payload: dict) -> None:
+                data = json.dumps(payload).encode()
+                self.send_response(status)
+                self.send_header("content-type", "application/json")
+                self.send_header("content-length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            def do_GET(self):
+                if self.path.endswith("/models"):
+                    self._send(200, {"data": [{"id": "moonshotai/kimi-k2.5"}]})
+                else:
+                    self._send(404, {"error": {"code": 404, "message": "no route"}})
+
+            def do_POST(self):
+                body = json.loads(self.rfile.read(int(self.headers["content-length"])))
+                api.bodies.append(body)
+                self._send(200, api.answer(body))
+
+        self._server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self._server.server_port}"
+        threading.Thread(target=self._server.serve_forever, daemon=True).start()
+        return self
+
+    def stop(self) -> None:
+        if self._server is not None:
+            self._server.shutdown()
+            self._server.server_close()
