@@ -15,8 +15,8 @@ import yaml
 from eaglet import cli
 from eaglet.errors import EagletError
 from eaglet.formats.chat import prompt_ids
-from eaglet.formats.hidden_store import HiddenReader, Storage, decode, encode
 from eaglet.formats.grammar import grammar
+from eaglet.formats.hidden_store import HiddenReader, Storage, decode, encode
 from eaglet.formats.io import read_jsonl, write_jsonl_zst
 from eaglet.formats.records import response_record
 from eaglet.formats.stream import Writer
