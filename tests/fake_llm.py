@@ -14,6 +14,7 @@ of one request fail, after which it is answered. Fault kinds:
     truncated a 200 whose JSON body is cut in half
     drop      the connection is closed without an answer
     error200  a 200 whose body carries `error` (OpenRouter style)
+    badshape  a 200 of an unexpected shape (a chat `message` that is a string, `meta_info: null`)
     slow      the answer comes `slow_s` late (past a short client timeout)
 
 Run standalone (benchmarks): `python -m tests.fake_llm --latency 0.5` prints its URL.
@@ -245,6 +246,13 @@ class FakeLLM:
             return int(fault), {}, {"error": err}, None
         if fault == "error200":
             return 200, {}, {"error": {"code": 502, "message": "provider returned error"}}, None
+        if fault == "badshape":  # a 200 of a shape no client expects
+            bad = make(req)
+            if "meta_info" in bad:
+                bad["meta_info"] = None
+            else:
+                bad["choices"][0]["message"] = "not an object"
+            return 200, {}, bad, None
         return 200, {}, make(req), digest
 
     def _get(self, path: str) -> tuple[int, dict, dict]:

@@ -337,24 +337,31 @@ def test_slow_answers_time_out_and_are_retried(tmp_path, server):
     assert sum(r["attempts"] == 2 for r in recs) == fake.faulted["slow"]
 
 
-def test_failed_prompts_are_recorded_then_retried_by_a_rerun(tmp_path, server):
+def test_failed_prompts_are_retried_by_a_rerun_and_rejected_ones_excluded(tmp_path, server):
+    """503s past the retries fail the run and are sent again by the next; a 400 (context length,
+    moderation) is rejected for good: recorded with its reason, never sent again, left out of
+    the output and counted, and the stage finishes."""
     fake = server(faults={"400": 0.3, "503": 0.3}, max_faults=10, seed=5)
     write_raw(tmp_path, 20)
     ds = {"path": "data/raw.jsonl", "format": "sharegpt"}
     params = setup(tmp_path, api_params(fake.url, {"a": ds}, max_retries=1))
-    with pytest.raises(EagletError, match=r"failed \(first: [0-9a-f]{16}: HTTP (400|503)"):
+    with pytest.raises(EagletError, match=r"failed \(first: [0-9a-f]{16}: HTTP 503"):
         generate.build(params, "a", quiet=True)
     assert not Keys(params).path("responses", "a").exists()
     g = status.collect(params)[1]["generation"]
-    assert g["failed"] > 0 and g["done"] + g["failed"] == 20
-    four_hundreds = fake.faulted["400"]
+    assert g["failed"] > 0 and g["rejected"] == fake.faulted["400"] > 0
+    assert g["done"] + g["failed"] + g["rejected"] == 20
     fake.faults = {}  # the server recovers
-    generate.build(params, "a", quiet=True)
+    sent_before = sum(fake.attempts.values())
+    out = generate.build(params, "a", quiet=True)
+    assert sum(fake.attempts.values()) - sent_before == g["failed"]  # the rejected: not again
     recs = records(params, "a")
-    assert len(recs) == 20 and sum(r["attempts"] > 1 for r in recs) >= g["failed"]
-    assert four_hundreds > 0
+    assert len(recs) == 20 - g["rejected"] and sum(r["attempts"] > 1 for r in recs) >= g["failed"]
     for rec in recs:
         assert_sent(fake, rec)
+    stats = json.loads(sidecar_of(out).read_text())["stats"]
+    assert stats["rejected"] == {"api": g["rejected"], "too_long": 0}
+    assert "HTTP 400" in stats["first_rejected"]["api"]
 
 
 def test_bad_key_stops_the_run_without_leaking_it(tmp_path, server, monkeypatch):

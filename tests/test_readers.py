@@ -159,7 +159,7 @@ def test_directory(tmp_path):
     path.mkdir()
     with pytest.raises(EagletError) as excinfo:
         iter_rows(path)
-    assert str(excinfo.value) == f"{path}: not a regular file"
+    assert str(excinfo.value) == f"{path}: is a directory, not a dataset file"
 
 
 @pytest.mark.parametrize(

@@ -38,11 +38,37 @@ BACKEND_IDENTITY_KEYS = {
 
 
 # libyaml's parser where PyYAML has it: 6x faster, and every Snakefile parse loads both files.
-_LOADER = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
+_BASE_LOADER = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
+_MERGE_TAG = "tag:yaml.org,2002:merge"
+
+
+class _Loader(_BASE_LOADER):  # type: ignore[misc, valid-type]
+    """The safe loader, refusing a key written twice in one mapping (PyYAML keeps the last
+    silently, so the first setting would be lost without a word)."""
+
+    def construct_mapping(self, node, deep=False):
+        if isinstance(node, yaml.MappingNode):
+            first: dict = {}
+            for key_node, _ in node.value:
+                if key_node.tag == _MERGE_TAG:  # `<<: *base` keys may be overridden
+                    continue
+                key = self.construct_object(key_node, deep=True)
+                try:
+                    seen = first.setdefault(key, key_node.start_mark)
+                except TypeError:  # unhashable: the base constructor says so
+                    continue
+                if seen is not key_node.start_mark:
+                    raise yaml.constructor.ConstructorError(
+                        None,
+                        None,
+                        f"duplicate key '{key}' (first on line {seen.line + 1})",
+                        key_node.start_mark,
+                    )
+        return super().construct_mapping(node, deep=deep)
 
 
 def read_yaml(text: str) -> Any:
-    return yaml.load(text, Loader=_LOADER)
+    return yaml.load(text, Loader=_Loader)
 
 
 @cache
@@ -215,6 +241,53 @@ def _check_references(data: dict, path: Path) -> None:
                 f"{path}: drafters.{name}.evaluate.engine_url: needs engine: vllm and one "
                 f"num_steps (the running engine's num_speculative_tokens), not {ev['num_steps']}"
             )
+    _check_datasets(data, path)
+
+
+def _check_datasets(data: dict, path: Path) -> None:
+    """What the schema cannot say of a training dataset: its format is one it can train on, its
+    dollar budget one its backend can keep (only `openai` reports a cost: usage.cost, or its
+    tokens at `price_per_mtok`), and its file, where it exists, a file (so is a suite's)."""
+    backends, default = data["backends"], data["generation"]["backend"]
+    priced = []
+    for name, d in data["datasets"].items():
+        where = f"{path}: datasets.{name}"
+        if d["format"] == "humaneval":
+            raise EagletError(
+                f"{where}.format: humaneval is an evaluation suite only "
+                "(drafters.<name>.evaluate.suites), not a training dataset"
+            )
+        backend = d.get("backend", default)
+        kind = backends[backend]["kind"]
+        if kind == "openai":
+            priced.append(name)
+        elif "max_cost_usd" in d:
+            raise EagletError(
+                f"{where}.max_cost_usd: backend '{backend}' ({kind}) reports no cost, so a dollar "
+                "budget cannot stop it (only openai backends do; use token_budget)"
+            )
+        _check_file(where, d["path"], path)
+    if "max_cost_usd" in data["budget"] and not priced:
+        used = ", ".join(
+            f"{n}: '{b}' ({backends[b]['kind']})"
+            for n, b in ((n, d.get("backend", default)) for n, d in data["datasets"].items())
+        )
+        raise EagletError(
+            f"{path}: budget.max_cost_usd: no dataset's backend reports a cost ({used}), so a "
+            "dollar budget cannot stop any (only openai backends do; use budget.token_budget)"
+        )
+    for name, drafter in data["drafters"].items():
+        for suite, cfg in drafter["evaluate"].get("suites", {}).items():
+            if "path" in cfg:
+                _check_file(f"{path}: drafters.{name}.evaluate.suites.{suite}", cfg["path"], path)
+
+
+def _check_file(where: str, relpath: str, path: Path) -> None:
+    """A prompt file named in params must not be a directory (a missing one is only an error
+    when a stage reads it: it may be fetched later)."""
+    source = Path(os.path.expanduser(relpath))
+    if os.path.isdir(source if source.is_absolute() else path.parent / source):
+        raise EagletError(f"{where}.path: {relpath} is a directory, not a file of prompts")
 
 
 def _resolve_ref(node: dict, root: dict) -> dict:

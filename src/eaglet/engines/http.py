@@ -9,7 +9,9 @@ one 256-connection pool near 40 req/s on 2 cores; pools of 16 keep that scan sho
 
 Retries: exponential backoff with full jitter on 408/409/425/429/5xx, timeouts, dropped
 connections and malformed JSON; `Retry-After` is honoured, and a 429 that carries it pauses
-every request of the client, not just the one that got it. 400/401/403/404 are not retried;
+every request of the client, not just the one that got it. A 200 whose body has a shape the
+parser does not expect is a failed attempt, retried. 400/401/403/404 are not retried (the
+prompt is rejected: recorded with its reason, never sent again);
 401 and a 402 for credits stop the whole run; a 402 for the in-flight budget is retried. The
 knobs come from the config of the backend (or of `hidden`): `timeout_s`, `concurrency`,
 `max_retries`, `backoff_s` and `backoff_max_s` (`hidden` has none of the last two: 0.5 s, 30 s).
@@ -51,7 +53,7 @@ class Retryable(Exception):
 
 
 class Fatal(Exception):
-    """A failure another attempt would repeat (400, 403, ...): this prompt is recorded failed."""
+    """A failure another attempt would repeat (400, 403, ...): this prompt is rejected."""
 
 
 class Abort(EagletError):
@@ -185,15 +187,22 @@ class Client:
                     data = r.text[:200]
                 if r.status_code != 200:
                     classify(r.status_code, data, r.headers, self.key_env)
-                result = parse(data)
+                try:
+                    result = parse(data)
+                except (Retryable, Fatal, Abort):
+                    raise
+                except (KeyError, TypeError, AttributeError, IndexError, ValueError) as e:
+                    # a 200 of a shape the parser did not expect: a failed attempt, never a
+                    # dead worker
+                    raise Retryable(f"HTTP 200 of an unexpected shape ({type(e).__name__}: {e})")
             except httpx.TimeoutException as e:
                 err: Exception = Retryable(f"timeout ({type(e).__name__})")
             except httpx.TransportError as e:
                 err = Retryable(f"connection failed ({type(e).__name__})")
             except Retryable as e:
                 err = e
-            except Fatal as e:
-                return {"error": str(e), "attempts": attempt}
+            except Fatal as e:  # another attempt would repeat it: this prompt is rejected
+                return {"error": str(e), "attempts": attempt, "rejected": True}
             else:
                 result["latency_s"] = round(time.monotonic() - t0, 4)
                 result["attempts"] = attempt

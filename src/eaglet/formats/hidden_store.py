@@ -174,25 +174,46 @@ class PartialDir:
     directory of another plan is discarded. Each later line is one complete shard's entry.
     """
 
-    def __init__(self, final: Path, plan_digest: str):
+    def __init__(self, final: Path, plan_digest: str, rerun: str = "rerun the build"):
         self.final = Path(final)
         self.path = self.final.parent / f".{self.final.name}.partial"
         self.journal = self.path / JOURNAL
+        self.plan = plan_digest
+        self.rerun = rerun  # what a lost build says to do, e.g. "rerun: eaglet hidden DATASET"
         self.done: dict[int, dict] = {}
         entries = self._read_journal()
         if entries is None or entries[:1] != [{"plan": plan_digest}]:
             shutil.rmtree(self.path, ignore_errors=True)
             self.path.mkdir(parents=True)
             self._append({"plan": plan_digest})
-            return
-        for entry in entries[1:]:
-            p = self.path / entry["name"]
-            if p.is_file() and p.stat().st_size == entry["bytes"]:
-                self.done[entry["index"]] = entry
-        keep = {JOURNAL} | {e["name"] for e in self.done.values()}
-        for p in self.path.iterdir():  # temp files and shards a kill left unrecorded
-            if p.name not in keep:
-                p.unlink()
+        else:
+            for entry in entries[1:]:
+                p = self.path / entry["name"]
+                if p.is_file() and p.stat().st_size == entry["bytes"]:
+                    self.done[entry["index"]] = entry
+            keep = {JOURNAL} | {e["name"] for e in self.done.values()}
+            for p in self.path.iterdir():  # temp files and shards a kill left unrecorded
+                if p.name not in keep:
+                    p.unlink()
+        # The folder this build writes into: if it is deleted (by a user, a cleanup) mid-run, a
+        # later write would make a new, empty one (atomic_path makes parents), so the build would
+        # publish a manifest naming shards that are gone. Its identity is checked instead.
+        st = self.path.stat()
+        self._identity = (st.st_dev, st.st_ino)
+
+    def _lost(self, why: str) -> EagletError:
+        return EagletError(f"{self.path}: {why}: the build was lost; {self.rerun}")
+
+    def _check_folder(self) -> None:
+        """Raise if the partial folder is not the one this build made or adopted."""
+        try:
+            st = self.path.stat()
+        except FileNotFoundError:
+            raise self._lost("the build folder vanished mid-run (deleted?)") from None
+        if (st.st_dev, st.st_ino) != self._identity:
+            raise self._lost("the build folder was replaced mid-run (deleted and made again?)")
+        if not self.journal.is_file():
+            raise self._lost(f"the build folder lost its {JOURNAL} mid-run")
 
     def _read_journal(self) -> list[dict] | None:
         """Complete lines of the journal; a torn last line (killed mid-append) is cut off."""
@@ -215,6 +236,7 @@ class PartialDir:
         self, index: int, samples: list[dict], storage: Storage, ids: bool = False
     ) -> dict:
         """Write shard `index` and journal it (with its sample ids if `ids`: a cache's index)."""
+        self._check_folder()  # before the work: a vanished folder is not made again
         entry = write_shard(self.path / shard_name(index), samples, storage)
         entry["index"] = index
         if ids:
@@ -224,7 +246,11 @@ class PartialDir:
         return entry
 
     def finish(self, manifest: dict) -> Path:
-        """Write the manifest, drop the journal and move the directory into place."""
+        """Check the build is whole, write the manifest, drop the journal and move the directory
+        into place. Whole: the folder is the one the build wrote into, its journal names this
+        plan and every shard done with the same entry, and each shard is there with its size
+        (digests are checked by HiddenReader when a shard is first read)."""
+        self.verify()
         write_json(self.path / MANIFEST, manifest)
         self.journal.unlink()
         if self.final.exists():  # e.g. an empty directory a workflow engine made
@@ -236,12 +262,43 @@ class PartialDir:
             os.close(fd)
         return self.final
 
+    def verify(self) -> None:
+        """Raise EagletError, naming what is missing, unless every shard done is in place."""
+        self._check_folder()
+        try:
+            entries = self._read_journal() or []
+        except (OSError, ValueError):
+            raise self._lost(f"its {JOURNAL} is unreadable") from None
+        if entries[:1] != [{"plan": self.plan}]:
+            raise self._lost(f"its {JOURNAL} is not this build's")
+        journalled = {e.get("index"): e for e in entries[1:]}
+        for index in sorted(self.done):
+            entry = self.done[index]
+            logged = journalled.get(index, {})
+            if any(logged.get(k) != entry[k] for k in ("name", "bytes", "sha256")):
+                raise self._lost(f"{entry['name']} is not in its {JOURNAL}")
+            p = self.path / entry["name"]
+            if not p.is_file():
+                raise self._lost(f"{entry['name']} is missing")
+            if p.stat().st_size != entry["bytes"]:
+                raise self._lost(
+                    f"{entry['name']} has {p.stat().st_size} bytes, written with {entry['bytes']}"
+                )
+
 
 class HiddenReader:
-    """Stream samples of a hidden-states directory; only one sample's tensors are read at once."""
+    """Stream samples of a hidden-states directory; only one sample's tensors are read at once.
 
-    def __init__(self, path: str | os.PathLike):
+    Each shard is checked against the manifest (size, then SHA-256) the first time this reader
+    opens it, whatever for (states or token ids): a damaged or missing shard is an EagletError,
+    never data. Hashing reads the shard once, less than decoding it does; the result is kept.
+    `verify=False` skips the check (for a caller that reports damage itself, check_shards).
+    """
+
+    def __init__(self, path: str | os.PathLike, verify: bool = True):
         self.path = Path(path)
+        self.verify = verify
+        self._verified: set[str] = set()
         try:
             self.manifest: dict = json.loads((self.path / MANIFEST).read_text(encoding="utf-8"))
         except FileNotFoundError:
@@ -254,6 +311,48 @@ class HiddenReader:
         self.n_aux = len(m["aux_layer_ids"]["sglang"])
         self.ids: list[str] = [s["id"] for s in m["samples"]]
         self._meta = {s["id"]: s for s in m["samples"]}
+        self._shards = {e["name"]: e for e in m.get("shards") or []}
+
+    def _damaged(self, shard: str, what: str) -> EagletError:
+        dataset = self.manifest.get("dataset") or "DATASET"
+        return EagletError(f"{self.path / shard}: {what}; rebuild: eaglet hidden {dataset}")
+
+    def _check(self, shard: str) -> None:
+        """Raise unless `shard` is in place with the manifest's size and SHA-256 (once)."""
+        if not self.verify or shard in self._verified:
+            return
+        entry = self._shards.get(shard)
+        if entry is None:
+            raise self._damaged(shard, "not among the manifest's shards")
+        p = self.path / shard
+        try:
+            size = p.stat().st_size
+            if size != entry["bytes"]:
+                what = f"{size} bytes, the manifest says {entry['bytes']}: damaged"
+                raise self._damaged(shard, what)
+            if sha256_file(p) != entry["sha256"]:
+                raise self._damaged(shard, "sha256 mismatch: damaged")
+        except FileNotFoundError:
+            raise self._damaged(shard, "missing") from None
+        except OSError as e:
+            raise self._damaged(shard, f"unreadable ({e.strerror or e})") from None
+        self._verified.add(shard)
+
+    def _open(self, shard: str) -> Any:
+        """A safetensors handle on a shard checked against the manifest."""
+        if shard is None:
+            raise EagletError(
+                f"{self.path}: hidden.mode {self.manifest.get('mode')}: no states stored here "
+                "(they come from the engine at training)"
+            )
+        self._check(shard)
+        try:
+            return safe_open(str(self.path / shard), framework="pt")
+        except FileNotFoundError:
+            raise self._damaged(shard, "missing") from None
+        except Exception as e:  # OSError, safetensors' SafetensorError
+            detail = " ".join(str(e).split())
+            raise self._damaged(shard, f"unreadable ({detail})") from None
 
     def __len__(self) -> int:
         return len(self.ids)
@@ -263,7 +362,7 @@ class HiddenReader:
         try:
             for meta in self.manifest["samples"]:
                 if meta["shard"] != opened:
-                    handle = safe_open(str(self.path / meta["shard"]), framework="pt")
+                    handle = self._open(meta["shard"])
                     opened = meta["shard"]
                 yield self._read(handle, meta)
         finally:
@@ -274,12 +373,7 @@ class HiddenReader:
             meta = self._meta[id]
         except KeyError:
             raise EagletError(f"{self.path}: no sample '{id}'") from None
-        if meta["shard"] is None:
-            raise EagletError(
-                f"{self.path}: hidden.mode {self.manifest.get('mode')}: no states stored here "
-                "(they come from the engine at training)"
-            )
-        return self._read(safe_open(str(self.path / meta["shard"]), framework="pt"), meta)
+        return self._read(self._open(meta["shard"]), meta)
 
     def _read(self, handle: Any, meta: dict) -> dict:
         sid = meta["id"]
@@ -296,11 +390,12 @@ class HiddenReader:
         return {"id": sid, **tensors}
 
     def tokens(self) -> Iterator[dict]:
-        """Each sample's id, input_ids and loss_mask (no hidden states read)."""
+        """Each sample's id, input_ids and loss_mask (no hidden states decoded; each shard is
+        still checked once against the manifest, which reads it)."""
         handle, opened = None, None
         for meta in self.manifest["samples"]:
             if meta["shard"] != opened:
-                handle = safe_open(str(self.path / meta["shard"]), framework="pt")
+                handle = self._open(meta["shard"])
                 opened = meta["shard"]
             sid = meta["id"]
             yield {

@@ -15,6 +15,7 @@ from typing import IO, Any
 
 import zstandard
 
+from eaglet.errors import EagletError
 from eaglet.formats.atomic import atomic_path, write_text
 
 ZSTD_LEVEL = 10
@@ -34,31 +35,173 @@ def read_json(path: str | os.PathLike) -> Any:
     return json.loads(Path(path).read_text(encoding="utf-8"))
 
 
+# A JSON-lines artifact is zstandard frames of at most FRAME_BYTES of lines each, every frame
+# with its content checksum, then one 24-byte skippable frame: the end marker, declaring the
+# record count. Why a skippable frame and not a last `{"_eaglet_end": ...}` line: the records
+# decompress to exactly the records (zstdcat, jq, pandas and eaglet's own input readers see no
+# extra line), and the marker sits at a fixed offset from the end, so a reader checks it before
+# the first record: a file cut short fails at once, even for a caller reading a prefix only.
+# Why frames of bounded size: a frame's checksum is checked when the frame ends, so the reader
+# holds one frame's text and yields its records only once the frame is verified (nothing
+# damaged is read), in bounded memory. A file without the marker (cut short, or written by an
+# eaglet before it) is damaged: rebuild it.
+FRAME_BYTES = 4 << 20
+ZSTD_MAGIC = b"\x28\xb5\x2f\xfd"
+END_MAGIC = (0x184D2A5E).to_bytes(4, "little")  # a skippable frame: zstd tools pass over it
+END_TAG = b"EAGLETJL"
+END_BYTES = 4 + 4 + len(END_TAG) + 8  # magic, payload size, tag, record count (uint64 LE)
+_READ_SIZE = 1 << 20
+_FRAME_HEADER_MAX = 18
+
+
+def _end_marker(records: int) -> bytes:
+    payload = END_TAG + records.to_bytes(8, "little")
+    return END_MAGIC + len(payload).to_bytes(4, "little") + payload
+
+
 def write_jsonl_zst(path: str | os.PathLike, records: Iterable[dict]) -> int:
-    """Atomically write records as zstandard-compressed JSON lines; return the count."""
+    """Atomically write records as zstandard-compressed JSON lines (checksummed frames, then the
+    end marker with the record count); return the count."""
     n = 0
+    cctx = zstandard.ZstdCompressor(level=ZSTD_LEVEL, write_checksum=True)
     with atomic_path(path) as tmp, open(tmp, "wb") as raw:
-        cctx = zstandard.ZstdCompressor(level=ZSTD_LEVEL)
-        with cctx.stream_writer(raw, closefd=False) as zw:
-            for rec in records:
-                zw.write((dumps(rec) + "\n").encode("utf-8"))
-                n += 1
+        lines: list[bytes] = []
+        size = 0
+        for rec in records:
+            line = (dumps(rec) + "\n").encode("utf-8")
+            lines.append(line)
+            size += len(line)
+            n += 1
+            if size >= FRAME_BYTES:
+                raw.write(cctx.compress(b"".join(lines)))
+                lines, size = [], 0
+        if lines:
+            raw.write(cctx.compress(b"".join(lines)))
+        raw.write(_end_marker(n))
     return n
 
 
+def _damaged(path: Path, what: str) -> EagletError:
+    detail = " ".join(what.split())  # one line
+    return EagletError(f"{path}: {detail}; rebuild it")
+
+
+def _verified_frames(path: Path) -> Iterator[bytes]:
+    """The decompressed text of each frame of the artifact `path`, each yielded only after its
+    checksum held; raises EagletError (one line) on a missing end marker, a damaged frame, or
+    a line count other than the one the end marker declares (checked when the end is read)."""
+    try:
+        f = open(path, "rb")  # noqa: SIM115 (closed below)
+    except OSError as e:
+        raise EagletError(f"{path}: cannot read ({e.strerror})") from None
+    with f:
+        size = os.fstat(f.fileno()).st_size
+        tail = b""
+        if size >= END_BYTES:
+            f.seek(size - END_BYTES)
+            tail = f.read(END_BYTES)
+            f.seek(0)
+        if tail[: len(END_MAGIC)] != END_MAGIC or tail[8 : 8 + len(END_TAG)] != END_TAG:
+            raise _damaged(
+                path,
+                "truncated: no end marker (cut short, or written by an older eaglet)",
+            )
+        declared = int.from_bytes(tail[-8:], "little")
+        left = size - END_BYTES
+        dctx = zstandard.ZstdDecompressor()
+        lines, offset, data = 0, 0, b""
+
+        def more() -> bytes:
+            nonlocal left
+            chunk = f.read(min(_READ_SIZE, left))
+            left -= len(chunk)
+            return chunk
+
+        try:
+            while True:
+                while len(data) < _FRAME_HEADER_MAX and left:
+                    data += more()
+                if not data:
+                    break
+                if data[:4] != ZSTD_MAGIC:
+                    raise _damaged(path, f"corrupt: no zstd frame at byte {offset}")
+                if not zstandard.get_frame_parameters(data).has_checksum:
+                    raise _damaged(path, f"corrupt: no checksum in the zstd frame at byte {offset}")
+                frame, out, used = dctx.decompressobj(), [], 0
+                while True:
+                    used += len(data)
+                    out.append(frame.decompress(data))
+                    if frame.eof:
+                        data = frame.unused_data
+                        used -= len(data)
+                        break
+                    data = more()
+                    if not data:
+                        raise _damaged(path, f"corrupt: the zstd frame at byte {offset} is cut")
+                offset += used
+                text = b"".join(out)
+                lines += text.count(b"\n")
+                yield text
+        except zstandard.ZstdError as e:
+            raise _damaged(path, f"corrupt: zstd frame at byte {offset}: {e}") from None
+        if lines != declared:
+            raise _damaged(
+                path, f"truncated: {lines} records where the end marker declares {declared}"
+            )
+
+
+class _VerifiedReader(io.RawIOBase):
+    """The verified text bytes of an artifact, as a raw binary stream."""
+
+    def __init__(self, path: Path):
+        self._frames = _verified_frames(path)
+        self._pending = memoryview(b"")
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer) -> int:
+        while not self._pending:
+            chunk = next(self._frames, None)
+            if chunk is None:
+                return 0
+            self._pending = memoryview(chunk)
+        n = min(len(buffer), len(self._pending))
+        buffer[:n] = self._pending[:n]
+        self._pending = self._pending[n:]
+        return n
+
+    def close(self) -> None:
+        self._frames.close()
+        super().close()
+
+
 def open_text(path: str | os.PathLike) -> IO[str]:
-    """Open an eaglet artifact as text, decompressing `.zst` (user inputs go through readers)."""
-    path = Path(path)
-    if path.suffix == ".zst":
-        raw = open(path, "rb")  # noqa: SIM115 (closed by the reader)
-        reader = zstandard.ZstdDecompressor().stream_reader(raw, closefd=True)
-        return io.TextIOWrapper(reader, encoding="utf-8")
-    return open(path, encoding="utf-8")
+    """Open an eaglet JSON-lines artifact as verified text (user inputs go through readers).
+
+    Whatever its name, the file must be as write_jsonl_zst writes it: a damaged one raises
+    EagletError while it is read (a missing end marker on the first read)."""
+    return io.TextIOWrapper(io.BufferedReader(_VerifiedReader(Path(path))), encoding="utf-8")
 
 
 def read_jsonl(path: str | os.PathLike) -> Iterator[dict]:
-    """Stream records from a JSON-lines artifact written by eaglet (`.jsonl` or `.jsonl.zst`)."""
-    with open_text(path) as f:
-        for line in f:
-            if line.strip():
-                yield json.loads(line)
+    """Stream the records of a JSON-lines artifact written by write_jsonl_zst, every one verified:
+    a damaged file (cut short, a changed byte, bad JSON, written by an older eaglet) raises
+    EagletError naming the file instead of yielding fewer or other records. A caller that stops
+    early (itertools.islice) is still served only verified frames of a file with its end marker;
+    the record count is checked when the end is read."""
+    path = Path(path)
+    line_no, rest = 0, b""
+    for text in _verified_frames(path):
+        lines = (rest + text).split(b"\n")
+        rest = lines.pop()
+        for line in lines:
+            line_no += 1
+            try:
+                rec = json.loads(line.decode("utf-8"))
+            except ValueError as e:  # JSONDecodeError, UnicodeDecodeError
+                detail = getattr(e, "msg", None) or type(e).__name__
+                raise _damaged(path, f"corrupt: bad JSON at line {line_no} ({detail})") from None
+            yield rec
+    if rest:
+        raise _damaged(path, f"corrupt: line {line_no + 1} has no end")

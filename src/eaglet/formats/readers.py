@@ -1,8 +1,11 @@
 """Read records from local prompt files: .jsonl, .json, .parquet (json ones optionally .gz/.zst).
 
 `iter_rows` yields `(line_no, row, error)` with exactly one of `row` / `error` set, so callers can
-count and report bad records without stopping. Problems with the file as a whole (missing, wrong
-type, corrupt) raise `EagletError` with a one-line message naming the file.
+count and report bad records without stopping. A record whose text is not Unicode (invalid UTF-8,
+or a lone surrogate escape such as `"\\ud83d"`, which JSON allows and UTF-8 cannot encode) is such
+an error: nothing after the reader has to meet it. Problems with the file as a whole (missing, a
+directory, unreadable, wrong type, corrupt) raise `EagletError` with a one-line message naming
+the file.
 """
 
 from __future__ import annotations
@@ -10,6 +13,8 @@ from __future__ import annotations
 import gzip
 import io
 import json
+import re
+import stat
 import zlib
 from collections.abc import Iterator
 from pathlib import Path
@@ -22,6 +27,12 @@ Row = tuple[int, dict | None, str | None]
 _KINDS = (".jsonl", ".json", ".parquet")
 _COMPRESSIONS = (".gz", ".zst")
 _READ_SIZE = 1 << 16
+# A surrogate code point in a decoded string (json.loads pairs valid escapes into one character,
+# so any left is lone), and the JSON escape that can make one: only text holding the escape is
+# searched, so clean records cost one regex scan of their bytes.
+_SURROGATE = re.compile("[\ud800-\udfff]")
+_SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")
+_SURROGATE_ESCAPE_BYTES = re.compile(rb"\\u[dD][89a-fA-F]")
 
 
 def _file_type(path: Path) -> tuple[str, str]:
@@ -94,7 +105,37 @@ class _ZstdReader(io.RawIOBase):
         super().close()
 
 
-def _parse_object(text: str | bytes) -> tuple[dict | None, str | None]:
+def _shown(text: str) -> str:
+    """`text` printable on one line of UTF-8: surrogates and line breaks escaped."""
+    text = text.encode("utf-8", "backslashreplace").decode("utf-8")
+    return text.replace("\n", "\\n").replace("\r", "\\r")
+
+
+def _lone_surrogate(value: dict) -> str | None:
+    """The error of a record holding a lone surrogate (in a value or a field name), else None.
+    The first one in document order is named, with the field path (`conversations.1.value`)."""
+    stack: list[tuple[object, tuple]] = [(value, ())]
+    while stack:
+        item, at = stack.pop()
+        found, where = None, "field"
+        if isinstance(item, str):
+            found = _SURROGATE.search(item)
+        elif isinstance(item, dict):
+            stack.extend((v, (*at, k)) for k, v in reversed(item.items()))
+            for key in item:
+                if found := _SURROGATE.search(key):
+                    at, where = (*at, key), "field name"
+                    break
+        elif isinstance(item, list):
+            stack.extend((v, (*at, i)) for i, v in reversed(list(enumerate(item))))
+        if found:
+            field = _shown(".".join(map(str, at)))
+            code = f"\\u{ord(found.group()):04x}"
+            return f"text is not valid Unicode (lone surrogate {code} in {where} {field})"
+    return None
+
+
+def _parse_object(text: bytes) -> tuple[dict | None, str | None]:
     try:
         value = json.loads(text)
     except json.JSONDecodeError as e:
@@ -103,6 +144,10 @@ def _parse_object(text: str | bytes) -> tuple[dict | None, str | None]:
         return None, "invalid JSON: not valid UTF-8"
     if not isinstance(value, dict):
         return None, "not a JSON object"
+    if _SURROGATE_ESCAPE_BYTES.search(text):
+        error = _lone_surrogate(value)
+        if error:
+            return None, error
     return value, None
 
 
@@ -120,11 +165,15 @@ def _jsonl_rows(path: Path, compression: str) -> Iterator[Row]:
 def _json_rows(path: Path, compression: str) -> Iterator[Row]:
     with _open_binary(path, compression) as f:
         try:
-            data = json.load(io.TextIOWrapper(f, encoding="utf-8-sig"))
-        except json.JSONDecodeError as e:
-            raise EagletError(f"{path}: invalid JSON: {e}") from None
+            text = io.TextIOWrapper(f, encoding="utf-8-sig").read()
         except UnicodeDecodeError:
             raise EagletError(f"{path}: invalid JSON: not valid UTF-8") from None
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise EagletError(f"{path}: invalid JSON: {e}") from None
+    suspect = _SURROGATE_ESCAPE.search(text) is not None
+    del text
     if isinstance(data, dict):
         lists = [value for value in data.values() if isinstance(value, list)]
         if len(lists) != 1:
@@ -135,10 +184,12 @@ def _json_rows(path: Path, compression: str) -> Iterator[Row]:
     if not isinstance(data, list):
         raise EagletError(f"{path}: expected a JSON list of objects, got {type(data).__name__}")
     for index, item in enumerate(data):
-        if isinstance(item, dict):
-            yield index + 1, item, None
-        else:
+        if not isinstance(item, dict):
             yield index + 1, None, "not a JSON object"
+        elif suspect and (error := _lone_surrogate(item)):
+            yield index + 1, None, error
+        else:
+            yield index + 1, item, None
 
 
 def _parquet_rows(path: Path) -> Iterator[Row]:
@@ -147,9 +198,28 @@ def _parquet_rows(path: Path) -> Iterator[Row]:
     line_no = 0
     with pq.ParquetFile(path) as pf:
         for batch in pf.iter_batches(batch_size=1024):
-            for row in batch.to_pylist():
+            try:
+                rows = batch.to_pylist()
+            except UnicodeDecodeError:  # a string column holding bytes that are not UTF-8
+                rows = None
+            for i in range(batch.num_rows):
                 line_no += 1
-                yield line_no, row, None
+                if rows is not None:
+                    yield line_no, rows[i], None
+                    continue
+                row, error = _parquet_row(batch, i)
+                yield line_no, row, error
+
+
+def _parquet_row(batch, i: int) -> tuple[dict | None, str | None]:
+    """Row `i` of a record batch, column by column, naming the first that is not UTF-8."""
+    row = {}
+    for name, column in zip(batch.schema.names, batch.columns, strict=True):
+        try:
+            row[name] = column[i].as_py()
+        except UnicodeDecodeError:
+            return None, f"text is not valid Unicode (invalid UTF-8 in field {_shown(name)})"
+    return row, None
 
 
 def _guarded(path: Path, what: str, rows: Iterator[Row]) -> Iterator[Row]:
@@ -173,14 +243,21 @@ def iter_rows(path: Path | str) -> Iterator[Row]:
     """Yield (line_no, row, error) for every record of `path`; exactly one of row/error is set.
 
     line_no is 1-based: the line for .jsonl, the element for .json, the row for .parquet.
-    File-level problems raise EagletError as soon as this is called (missing file, unsupported
-    type) or while iterating (corrupt data, .json that is not a list of objects).
+    File-level problems raise EagletError as soon as this is called (missing file, a directory,
+    a folder on the way we may not enter, unsupported type) or while iterating (unreadable file,
+    corrupt data, .json that is not a list of objects or not UTF-8).
     """
     path = Path(path)
-    if not path.exists():
-        raise EagletError(f"{path}: no such file")
+    try:
+        mode = path.stat().st_mode
+    except (FileNotFoundError, NotADirectoryError):
+        raise EagletError(f"{path}: no such file") from None
+    except OSError as e:  # a folder on the way that we may not enter, a loop of links
+        raise EagletError(f"{path}: cannot read ({e.strerror})") from None
+    if stat.S_ISDIR(mode):
+        raise EagletError(f"{path}: is a directory, not a dataset file")
     kind, compression = _file_type(path)
-    if not path.is_file():
+    if not stat.S_ISREG(mode):
         raise EagletError(f"{path}: not a regular file")
     if kind == ".jsonl":
         rows = _jsonl_rows(path, compression)

@@ -6,8 +6,11 @@ identity (kind, model, routing; the target's weights for sglang and transformers
 settings and the messages. So a rerun asks only for what is missing, an identical prompt in two
 datasets is paid for once, and moving to another backend or model never reuses old answers.
 
-An `ok` row is never replaced; a `failed` row is replaced by the next attempt's outcome. The
-`runs` table holds a heartbeat of each generation in progress, read by `eaglet status`.
+An `ok` row is never replaced; a `failed` row is replaced by the next attempt's outcome. A
+prompt rejected for good (an API's 4xx that another attempt would repeat, or a prompt too long
+for the dataset's `max_length`, never sent) is in `rejections` with its reason: it is not sent
+again and not part of the output. The `runs` table holds a heartbeat of each generation in
+progress, read by `eaglet status`; `lock` keeps one `eaglet generate` per dataset at a time.
 """
 
 from __future__ import annotations
@@ -40,6 +43,13 @@ CREATE TABLE IF NOT EXISTS responses (
     updated REAL NOT NULL
 );
 CREATE INDEX IF NOT EXISTS responses_backend ON responses (backend, status);
+CREATE TABLE IF NOT EXISTS rejections (
+    key TEXT PRIMARY KEY,
+    kind TEXT NOT NULL,
+    reason TEXT NOT NULL,
+    prompt_tokens INTEGER,
+    updated REAL NOT NULL
+);
 CREATE TABLE IF NOT EXISTS runs (
     dataset TEXT NOT NULL,
     key TEXT NOT NULL,
@@ -131,7 +141,52 @@ class Store:
                     "completion_tokens": tokens,
                     "cost": cost,
                 }
+            for key, kind, reason, prompt_tokens in self.db.execute(
+                f"SELECT key, kind, reason, prompt_tokens FROM rejections WHERE key IN ({marks})",
+                part,
+            ):
+                row = out.setdefault(key, {"status": "failed", "result": None, "attempts": 0})
+                if row["status"] != "ok":  # an answer wins over an old rejection
+                    row["status"] = "rejected"
+                    row["error"] = reason
+                    row["rejected"] = {"kind": kind, "prompt_tokens": prompt_tokens}
         return out
+
+    def reject(self, key: str, kind: str, reason: str, prompt_tokens: int | None = None) -> None:
+        """Record a prompt rejected for good: `api` (a 4xx no retry changes), `too_long`."""
+        self.db.execute(
+            "INSERT OR REPLACE INTO rejections VALUES (?, ?, ?, ?, ?)",
+            (key, kind, reason, prompt_tokens, time.time()),
+        )
+
+    def unreject(self, key: str) -> None:
+        self.db.execute("DELETE FROM rejections WHERE key = ?", (key,))
+
+    @contextlib.contextmanager
+    def lock(self, name: str) -> Iterator[None]:
+        """Hold `name` (a dataset) for this process: a second holder is refused, naming the
+        first; the OS drops the lock when its holder exits, kill -9 included."""
+        import fcntl
+
+        folder = self.path.parent / "locks"
+        folder.mkdir(parents=True, exist_ok=True)
+        path = folder / f"{name}.lock"
+        with open(path, "a+") as f:
+            try:
+                fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                f.seek(0)
+                holder = f.read().strip() or "another process"
+                raise Locked(f"{name}: another eaglet generate is running ({holder})") from None
+            f.seek(0)
+            f.truncate()
+            when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime())
+            f.write(f"pid {os.getpid()} on {socket.gethostname()}, since {when}")
+            f.flush()
+            try:
+                yield
+            finally:
+                fcntl.flock(f, fcntl.LOCK_UN)
 
     def put(self, key: str, backend: str, result: dict) -> None:
         """Commit one outcome: an answer (`result` without "error") or a failure after retries.
@@ -208,6 +263,10 @@ class Store:
             "alive": alive,
             **json.loads(progress),
         }
+
+
+class Locked(Exception):
+    """The dataset is held by another generation."""
 
 
 def _pid_alive(pid: int) -> bool:

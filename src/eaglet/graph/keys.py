@@ -334,10 +334,15 @@ def sidecar_of(artifact: Path) -> Path:
 def _digest(p: Params, path: str, where: str) -> str:
     """SHA-256 of the file at `path` (relative to the params file), named by `where`."""
     source = p.resolve(path)
+    where = f"{p.path}: {where}.path: {source}"
+    if source.exists() and not source.is_file():  # a folder, a FIFO: open() would fail or hang
+        raise EagletError(f"{where}: not a regular file")
     try:
         return file_digest(source)
-    except FileNotFoundError:
-        raise EagletError(f"{p.path}: {where}.path: {source}: no such file") from None
+    except (FileNotFoundError, NotADirectoryError):
+        raise EagletError(f"{where}: no such file") from None
+    except OSError as e:
+        raise EagletError(f"{where}: cannot read ({e.strerror})") from None
 
 
 def _suite_digest(p: Params, suite: dict, where: str) -> str:
@@ -379,6 +384,7 @@ def _responses_slice(keys: Keys, ds: str) -> tuple[dict, dict]:
         "token_budget": d.get("token_budget"),
         "max_cost_usd": d.get("max_cost_usd"),
         "grammar": p.target["grammar"],  # writes the text answers as the target's tokens
+        "max_length": p.max_length(ds),  # longer prompts are left out
     }
     slice_["target"] = keys.target_identity()  # generates, or tokenizes the answers of an API
     return slice_, {"prompts": keys.key("prompts", ds)}

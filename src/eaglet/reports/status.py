@@ -35,7 +35,7 @@ def generation(params: Params, dataset: str, keys: Keys, store: Store | None) ->
         return None
     _, j = resolve(params, dataset, keys)
     if store is None:
-        s = {"prompts": j.count(), "ok": 0, "failed": 0, "tokens": 0, "cost": 0.0}
+        s = {"prompts": j.count(), "ok": 0, "failed": 0, "rejected": 0, "tokens": 0, "cost": 0.0}
     else:
         s = scan(j, store)
     if j.token_budget is not None:
@@ -52,6 +52,7 @@ def generation(params: Params, dataset: str, keys: Keys, store: Store | None) ->
         "prompts": s["prompts"],
         "done": s["ok"],
         "failed": s["failed"],
+        "rejected": s["rejected"],
         "tokens": s["tokens"],
         "cost": s["cost"],
         "target": target,
@@ -113,6 +114,8 @@ def _summary(row: dict) -> str:
         text += "token budget)" if t["by"] == "token_budget" else "prompts)"
         if g["failed"]:
             text += f", {g['failed']} failed"
+        if g.get("rejected"):
+            text += f", {g['rejected']} rejected for good"
         if g["cost"]:
             text += f", ${g['cost']:.4f}"
         drift = st.get("token_drift")

@@ -21,7 +21,10 @@ spend (every answer in the store): when reached, dispatch stops and the stage fa
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
+import sqlite3
+import sys
 import time
 from collections import Counter
 from collections.abc import Iterator
@@ -31,10 +34,11 @@ from pathlib import Path
 from eaglet.engines.http import Abort
 from eaglet.engines.lookup import Backend, generator
 from eaglet.errors import EagletError
+from eaglet.formats.chat import prompt_ids
 from eaglet.formats.grammar import answer_calls, grammar
 from eaglet.formats.io import dumps, read_json, read_jsonl, write_json, write_jsonl_zst
 from eaglet.formats.records import response_record
-from eaglet.formats.store import RequestKeys, Store, store_path
+from eaglet.formats.store import Locked, RequestKeys, Store, store_path
 from eaglet.formats.stream import Drift, Writer
 from eaglet.graph.keys import Keys, Spec, sidecar_of
 from eaglet.model.target import TargetSpec, load_tokenizer
@@ -56,6 +60,7 @@ class Job:
     engine: dict  # its settings (the spec holds its identity)
     target: TargetSpec  # where the target's files are
     max_length: int  # target.max_length: a served engine's context
+    prompt_limit: int  # the dataset's max_length: a longer prompt leaves no answer to train on
     sampling: dict
     keyfn: RequestKeys
     prompts: Path
@@ -113,6 +118,7 @@ def resolve(params: Params, dataset: str, keys: Keys | None = None) -> tuple[Spe
         engine=params.backend(backend),
         target=keys.target,
         max_length=params.target["max_length"],
+        prompt_limit=v["max_length"],
         sampling=v["sampling"],
         keyfn=RequestKeys(identity, v["sampling"]),
         prompts=prompts,
@@ -145,9 +151,13 @@ class Dispatch:
         self.changed = asyncio.Event()
         self.pending: list[tuple[dict, dict | None]] = []  # outcomes not yet committed
         self._flush: asyncio.Handle | None = None
-        self.abort: Exception | None = None
+        self.abort: BaseException | None = None
         self.stopped_by: str | None = None
         self.sent = 0
+        self.lost = 0  # answers that arrived (paid) and could not be stored
+        self.dropped = 0  # requests in flight when the run was interrupted
+        self.rejected = 0  # prompts rejected for good this run (an API's 4xx, too long)
+        self._tokenizer = None
 
     def estimate(self) -> tuple[int, float]:
         n, tokens, cost = self.known
@@ -187,13 +197,18 @@ class Dispatch:
         workers = [asyncio.create_task(self.worker(queue)) for _ in range(self.backend.concurrency)]
         try:
             await self.produce(queue)
-        finally:
             for _ in workers:
                 await queue.put(None)
             await asyncio.gather(*workers)
+        except BaseException:  # Ctrl-C (cancelled) or a failure: stop sending at once
+            for w in workers:
+                w.cancel()
+            await asyncio.gather(*workers, return_exceptions=True)
+            raise
+        finally:
             if self._flush is not None:
                 self._flush.cancel()
-                self.commit()
+            self.commit()  # what arrived is kept
         if self.abort is not None:
             raise self.abort
 
@@ -209,7 +224,11 @@ class Dispatch:
             rows = self.store.get_many(k for _, k in chunk)
             for prompt, key in chunk:
                 row = rows.get(key)
+                if rejected(row, self.job.prompt_limit):
+                    continue  # excluded for good: not sent, not in the output
                 hit = row is not None and row["status"] == "ok"
+                if not hit and self.too_long(prompt, key):
+                    continue
                 while (reason := self.over(sending=not hit)) and self.abort is None:
                     if window:
                         await flush()
@@ -243,6 +262,20 @@ class Dispatch:
                     await flush()
         await flush()
 
+    def too_long(self, prompt: dict, key: str) -> bool:
+        """A prompt that leaves no room for an answer in the dataset's max_length is never
+        sent: recorded as rejected (too_long) with its length, and counted."""
+        if self._tokenizer is None:
+            self._tokenizer = load_tokenizer(self.job.target)
+        n = len(prompt_ids(self._tokenizer, prompt["messages"], prompt.get("tools")))
+        limit = self.job.prompt_limit
+        if n < limit:
+            return False
+        reason = f"prompt of {n} tokens does not fit max_length {limit}"
+        self.store.reject(key, "too_long", reason, n)
+        self.rejected += 1
+        return True
+
     async def worker(self, queue: asyncio.Queue) -> None:
         while (batch := await queue.get()) is not None:
             if self.abort is not None:
@@ -253,18 +286,35 @@ class Dispatch:
                 except Abort as e:
                     self.abort = e
                     results = [None] * len(batch)
+                except asyncio.CancelledError:
+                    self.dropped += len(batch)  # interrupted in flight: no answer came
+                    raise
+                except Exception as e:  # a backend's bug: a failed request, never a dead worker
+                    error = f"{type(e).__name__}: {e}"
+                    results = [{"error": error, "attempts": 1} for _ in batch]
             self.pending.extend(zip(batch, results, strict=True))
             if self._flush is None:
                 self._flush = asyncio.get_running_loop().call_soon(self.commit)
 
     def commit(self) -> None:
         """Commit every outcome that arrived in this turn of the event loop in one transaction;
-        only then do they count as done."""
+        only then do they count as done. A store that cannot write stops the run: what was
+        committed stays, what could not be is reported as lost."""
         pending, self.pending, self._flush = self.pending, [], None
-        with self.store.transaction():
-            for req, res in pending:
-                if res is not None:
+        arrived = [(req, res) for req, res in pending if res is not None]
+        try:
+            with self.store.transaction():
+                for req, res in arrived:
                     self.store.put(req["key"], self.job.keyfn.backend, res)
+                    if res.get("rejected"):
+                        self.store.reject(req["key"], "api", res["error"])
+        except (sqlite3.Error, OSError) as e:
+            self.lost += sum("error" not in res for _, res in arrived)
+            self.abort = self.abort or EagletError(
+                f"{self.store.path}: cannot store answers ({type(e).__name__}: {e}); the run "
+                "stopped, every answer committed before is kept"
+            )
+            pending = [(req, None) for req, _ in pending]
         for req, res in pending:
             self.settle(req["key"], res)
         self.changed.set()
@@ -282,6 +332,7 @@ class Dispatch:
                 "(set price_per_mtok)"
             )
         if "error" in result:
+            self.rejected += bool(result.get("rejected"))
             self.progress.update(failed=1)
             return
         tokens, cost = result["completion_tokens"], result.get("cost") or 0.0
@@ -308,11 +359,22 @@ class Dispatch:
 # ---------------------------------------------------------------------------- output
 
 
+def rejected(row: dict | None, limit: int) -> bool:
+    """Excluded for good: rejected by the API, or a prompt still too long for `limit` (a larger
+    max_length sends it after all)."""
+    if row is None or row["status"] != "rejected":
+        return False
+    info = row["rejected"]
+    return info["kind"] != "too_long" or (info["prompt_tokens"] or 0) >= limit
+
+
 def plan_output(job: Job, store: Store) -> dict:
     """Which prefix of the prompt order the output holds, and its stats, from the store alone.
 
     Raises EagletError when a prompt of the prefix has no answer (failed or not generated)."""
     st = {"responses": 0, "completion_tokens": 0, "prompt_tokens": 0, "cost": None}
+    excluded: Counter = Counter()
+    first_rejection: dict[str, str] = {}
     finish: Counter = Counter()
     cost = 0.0
     stopped_by = None
@@ -321,8 +383,13 @@ def plan_output(job: Job, store: Store) -> dict:
         rows = store.get_many(k for _, k in chunk)
         for prompt, key in chunk:
             row = rows.get(key)
+            if rejected(row, job.prompt_limit):
+                kind = row["rejected"]["kind"]
+                excluded[kind] += 1
+                first_rejection.setdefault(kind, f"{prompt['id']}: {row['error']}")
+                continue
             if row is None or row["status"] != "ok":
-                if row is None:
+                if row is None or row["status"] == "rejected":
                     missing += 1
                 else:
                     failed += 1
@@ -356,23 +423,28 @@ def plan_output(job: Job, store: Store) -> dict:
             f"responses {job.dataset}: prompts without an answer: {'; '.join(what)}; "
             "rerun `eaglet generate` to retry them"
         )
-    return {**st, "finish_reasons": dict(finish), "stopped_by": stopped_by}
+    out = {**st, "finish_reasons": dict(finish), "stopped_by": stopped_by}
+    out["rejected"] = {"api": excluded["api"], "too_long": excluded["too_long"]}
+    out["first_rejected"] = first_rejection
+    return out
 
 
 def output_records(job: Job, store: Store, n: int) -> Iterator[dict]:
-    """The first `n` response records in prompt order, read from the store (as stored)."""
+    """The first `n` response records in prompt order (rejected prompts left out), read from
+    the store as stored."""
     left = n
     for chunk in job.chunks():
-        if not left:
-            return
-        part = chunk[:left]
-        rows = store.get_many(k for _, k in part)
-        for prompt, key in part:
+        rows = store.get_many(k for _, k in chunk)
+        for prompt, key in chunk:
+            if not left:
+                return
             row = rows[key]
+            if rejected(row, job.prompt_limit):
+                continue
             result = dict(row["result"], attempts=row["attempts"])
             result.setdefault("server_completion_tokens", result["completion_tokens"])
             yield response_record(prompt, result, job.backend, job.sampling)
-        left -= len(part)
+            left -= 1
 
 
 class Streams:
@@ -427,18 +499,20 @@ def write_output(job: Job, store: Store, out: Path, prov: dict, extra: dict) -> 
 def scan(job: Job, store: Store) -> dict:
     """How the store stands for the dataset: answered, failed and missing prompts."""
     out = {"prompts": 0, "ok": 0, "failed": 0, "missing": 0, "tokens": 0, "cost": 0.0}
-    out["missing_prompt_chars"] = 0
+    out["missing_prompt_chars"] = out["rejected"] = 0
     for chunk in job.chunks():
         rows = store.get_many(k for _, k in chunk)
         for prompt, key in chunk:
             out["prompts"] += 1
             row = rows.get(key)
-            if row is not None and row["status"] == "ok":
+            if rejected(row, job.prompt_limit):
+                out["rejected"] += 1
+            elif row is not None and row["status"] == "ok":
                 out["ok"] += 1
                 out["tokens"] += row["completion_tokens"]
                 out["cost"] += row["cost"] or 0.0
             else:
-                out["failed" if row is not None else "missing"] += 1
+                out["failed" if row is not None and row["attempts"] else "missing"] += 1
                 out["missing_prompt_chars"] += len(dumps(prompt["messages"]))
     return out
 
@@ -456,29 +530,37 @@ def build(
 
 
 def run(spec: Spec, j: Job, out: Path, threads: int | None = None, quiet: bool = False) -> Path:
-    """Generate what the store lacks for `j`; write the responses `spec` describes at `out`."""
+    """Generate what the store lacks for `j`; write the responses `spec` describes at `out`.
+    One generation of a dataset at a time: a second one is refused, naming the first."""
     store = Store(j.store)
     try:
-        before = scan(j, store)
-        misses = before["failed"] + before["missing"]
-        t0 = time.monotonic()
-        sent = 0
-        stopped_by = None
-        if misses:
-            sent, stopped_by = _dispatch(j, store, misses, threads, quiet)
-        extra = {
-            "store_hits": before["ok"],
-            "requests_sent": sent,
-            "elapsed_s": round(time.monotonic() - t0, 3),
-        }
-        try:
-            write_output(j, store, out, spec.provenance(), extra)
-        except EagletError as e:
-            if stopped_by and stopped_by.startswith("budget."):
-                raise EagletError(f"{e} (overall {stopped_by} reached)") from None
-            raise
+        with store.lock(j.dataset):
+            return _run(spec, j, out, store, threads, quiet)
+    except Locked as e:
+        raise EagletError(f"responses {e}; wait for it or stop it") from None
     finally:
         store.close()
+
+
+def _run(spec: Spec, j: Job, out: Path, store: Store, threads: int | None, quiet: bool) -> Path:
+    before = scan(j, store)
+    misses = before["failed"] + before["missing"]
+    t0 = time.monotonic()
+    sent = 0
+    stopped_by = None
+    if misses:
+        sent, stopped_by = _dispatch(j, store, misses, threads, quiet)
+    extra = {
+        "store_hits": before["ok"],
+        "requests_sent": sent,
+        "elapsed_s": round(time.monotonic() - t0, 3),
+    }
+    try:
+        write_output(j, store, out, spec.provenance(), extra)
+    except EagletError as e:
+        if stopped_by and stopped_by.startswith("budget."):
+            raise EagletError(f"{e} (overall {stopped_by} reached)") from None
+        raise
     return out
 
 
@@ -496,7 +578,8 @@ def _dispatch(
         while True:
             await asyncio.sleep(HEARTBEAT_S)
             progress.total = progress.done + d.remaining_estimate(misses)
-            store.run_progress(j.dataset, j.response_key, progress.snapshot())
+            with contextlib.suppress(sqlite3.Error):  # progress only: a failed answer stops
+                store.run_progress(j.dataset, j.response_key, progress.snapshot())
             if j.overall:
                 d.refresh_spend()
 
@@ -513,8 +596,18 @@ def _dispatch(
         state = "done"
     except KeyboardInterrupt:
         state = "interrupted"
+        print(
+            f"eaglet: responses {j.dataset}: interrupted; {progress.done} answers kept in the "
+            f"store, {d.dropped} requests in flight dropped (rerun to continue)",
+            file=sys.stderr,
+        )
+        raise
+    except EagletError as e:
+        if d.lost:
+            raise EagletError(f"{e}; {d.lost} answers paid and not stored") from None
         raise
     finally:
         progress.close()
-        store.run_progress(j.dataset, j.response_key, progress.snapshot(), state=state)
+        with contextlib.suppress(sqlite3.Error):
+            store.run_progress(j.dataset, j.response_key, progress.snapshot(), state=state)
     return d.sent, d.stopped_by

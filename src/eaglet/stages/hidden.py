@@ -236,7 +236,8 @@ def run(spec: Spec, setup: Setup, out: Path) -> Path:
     )
     digest = [spec.key, storage.to_dict(), ids]
     digest += [[(samples[i]["id"], samples[i]["response_sha256"]) for i in p] for p in plan]
-    partial = PartialDir(out, hashlib.sha256(dumps(digest).encode()).hexdigest())
+    rerun = f"rerun: eaglet hidden {spec.name}"
+    partial = PartialDir(out, hashlib.sha256(dumps(digest).encode()).hexdigest(), rerun)
     if partial.done:
         print(
             f"hidden {spec.name}: resuming: {len(partial.done)} of {len(plan)} shards complete",
@@ -260,6 +261,7 @@ def run(spec: Spec, setup: Setup, out: Path) -> Path:
         backend.close()
     progress.close()
     run_s = time.monotonic() - t_run
+    partial.verify()  # its folder vanished mid-run: fail before the sidecar, publish nothing
     shards = [partial.done[i] for i in range(len(plan))]
     for entry in shards:
         entry.pop("index")

@@ -359,24 +359,27 @@ def save_checkpoint(ckpt: Path, t: Trainer, step: int, steps: Steps, hp: dict) -
         torch.save(state, tmp)
 
 
-def train_step(t: Trainer, readers: list, refs: list, hp: dict, run: Run) -> tuple[dict, int]:
+def train_step(
+    t: Trainer, readers: list, refs: list, hp: dict, run: Run, step: int = 0
+) -> tuple[dict, int]:
     """One optimizer step over this process's `refs` (micro-batches accumulated, gradients
-    all-reduced once): its log row (without step and epoch) and the tokens trained."""
+    all-reduced once): its log row (without step and epoch) and the tokens trained.
+
+    A non-finite loss or gradient norm stops the run before the optimizer step (the weights stay
+    those of the last finite step): an EagletError naming step `step` (0-based, shown 1-based as
+    in metrics.csv) and the samples. Both are checked after the all-reduce, so every process
+    stops at the same step."""
     steps, bs = hp["ttt_length"], hp["batch_size"]
     weights = torch.tensor([hp["step_weight"] ** k for k in range(steps)])
+    parts = [refs[i : i + bs] for i in range(0, len(refs), bs)]
     micro = [
-        prepare(
-            drafter_data.load(readers, refs[i : i + bs], hp["max_length"]),
-            t.head,
-            steps,
-            run.device,
-            refs[i : i + bs],
-        )
-        for i in range(0, len(refs), bs)
+        prepare(drafter_data.load(readers, part, hp["max_length"]), t.head, steps, run.device, part)
+        for part in parts
     ]
     counts = torch.stack([torch.stack([m.sum() for m in b["masks"]]) for b in micro]).sum(0)
     counts = run.sum(counts.float()).clamp(min=1)
     ce_sum, hit_sum, tokens = torch.zeros(steps), torch.zeros(steps), 0
+    bad: list = []  # this process's micro-batches whose loss is not finite
     t.model.train()
     for j, b in enumerate(micro):
         sync = j == len(micro) - 1 or run.world == 1
@@ -385,19 +388,65 @@ def train_step(t: Trainer, readers: list, refs: list, hp: dict, run: Run) -> tup
             # DDP averages gradients over processes; counts are global, so scale back
             loss = (weights.to(ce.device) * ce / counts.to(ce.device)).sum() * run.world
             loss.backward()
-        ce_sum, hit_sum = ce_sum + ce.detach().cpu(), hit_sum + hits.cpu()
+        ce = ce.detach().cpu()
+        if not bool(torch.isfinite(ce).all()):
+            bad.append(j)
+        ce_sum, hit_sum = ce_sum + ce, hit_sum + hits.cpu()
         tokens += int(b["loss_mask"].sum())
     grad_norm = torch.nn.utils.clip_grad_norm_(t.trainable, hp["max_grad_norm"])
+    ce_sum, hit_sum = run.sum(ce_sum), run.sum(hit_sum)
+    finite_loss = bool(torch.isfinite(ce_sum).all())
+    if not (finite_loss and math.isfinite(float(grad_norm))):
+        t.opt.zero_grad(set_to_none=True)
+        what = "gradient" if finite_loss else "loss"
+        raise non_finite(readers, parts, micro, bad, step, what)
     lr = t.sched.get_last_lr()[0]
     t.opt.step()
     t.sched.step()
     t.opt.zero_grad(set_to_none=True)
-    ce_sum, hit_sum = run.sum(ce_sum), run.sum(hit_sum)
     step_loss, acc = ce_sum / counts.cpu(), hit_sum / counts.cpu()
     row = {"lr": lr, "loss": float((weights * step_loss).sum()), "grad_norm": float(grad_norm)}
     row.update({f"loss_{k}": float(step_loss[k]) for k in range(steps)})
     row.update({f"acc_{k}": float(acc[k]) for k in range(steps)})
     return row, int(run.sum(torch.tensor(tokens)))
+
+
+def non_finite(
+    readers: list,
+    parts: list[list],
+    micro: list[dict],
+    bad: list[int],
+    step: int,
+    what: str,
+) -> EagletError:
+    """The error of a step whose loss or gradient is not finite, naming the step and samples:
+    those with non-finite hidden states if any (the likely cause), else those of the micro-batches
+    whose loss is not finite, else (another process's loss, or the gradient alone) the step's."""
+
+    def name(ref) -> str:
+        i, sid = ref
+        dataset = getattr(readers[i], "manifest", {}).get("dataset")
+        return f"{dataset}/{sid}" if dataset else str(sid)
+
+    def shown(refs: list) -> str:
+        more = f" +{len(refs) - 8} more" if len(refs) > 8 else ""
+        return ", ".join(name(r) for r in refs[:8]) + more
+
+    broken = []
+    for part, b in zip(parts, micro, strict=True):
+        for k, ref in enumerate(part):
+            if not all(bool(torch.isfinite(b[f][k]).all()) for f in ("aux", "last")):
+                broken.append(ref)
+    if broken:
+        return EagletError(
+            f"train: non-finite {what} at step {step + 1} (sample {shown(broken)}: non-finite "
+            "hidden states): nothing published; rebuild those states or leave them out"
+        )
+    refs = [r for j in bad for r in parts[j]] or [r for part in parts for r in part]
+    return EagletError(
+        f"train: non-finite {what} at step {step + 1} (sample {shown(refs)}): the run diverged; "
+        "nothing published (lower train.lr or raise train.warmup_ratio?)"
+    )
 
 
 def fit(
@@ -426,7 +475,7 @@ def fit(
     t0 = time.monotonic()
     for step in range(start, steps.total):
         epoch = step // steps.per_epoch
-        row, tokens = train_step(t, readers, steps.mine(step), hp, run)
+        row, tokens = train_step(t, readers, steps.mine(step), hp, run, step)
         t.rows.append({"step": step + 1, "epoch": epoch} | row)
         progress.update(1, tokens=tokens)
         if steps.epoch_end(step) and steps.held and run.rank == 0:

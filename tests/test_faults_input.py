@@ -1,0 +1,259 @@
+"""Bad input: one line naming the file, record or field, exit 2, and nothing produced lost.
+
+A damaged record (a lone surrogate escape, bytes that are not UTF-8) is that record's error,
+counted and shown with its line like any bad row; a damaged file or params file stops the
+command with one line on stderr, never a traceback.
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from eaglet.cli import main
+from eaglet.errors import EagletError
+from eaglet.formats.io import read_jsonl
+from eaglet.formats.readers import iter_rows
+from eaglet.graph.keys import sidecar_of
+from eaglet.params import load
+
+from .conftest import ROOT, write_params
+
+TARGET = {"model": "smollm2-135m-instruct"}
+GOOD = [
+    {"instruction": "Name a colour.", "output": "Blue."},
+    {"instruction": "Name a fruit.", "output": "Apple."},
+    {"instruction": "Smile \U0001f600 please", "output": "Done."},  # a valid pair: kept
+]
+# As scraped ShareGPT has it: a JSON escape of half a pair, which json.loads accepts.
+LONE = '{"instruction": "Broken \\ud83d emoji", "output": "x"}'
+LONE_ERROR = "text is not valid Unicode (lone surrogate \\ud83d in field instruction)"
+
+
+def one_error_line(capsys, *names: str) -> str:
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "Traceback" not in err, err
+    assert err.startswith("eaglet: error: ")
+    for name in names:
+        assert name in err, err
+    return err
+
+
+def params_error(tmp_path: Path, data: dict) -> str:
+    path = write_params(tmp_path, data)
+    with pytest.raises(EagletError) as e:
+        load(path)
+    msg = str(e.value)
+    assert "\n" not in msg and str(path) in msg
+    return msg
+
+
+# ---------------------------------------------------------------------------- damaged records
+
+
+def jsonl_with_lone_surrogate() -> str:
+    lines = [json.dumps(GOOD[0]), LONE, json.dumps(GOOD[1]), json.dumps(GOOD[2])]
+    return "\n".join(lines) + "\n"
+
+
+def test_lone_surrogate_row_is_counted_by_the_prompts_stage(tmp_path, capsys):
+    (tmp_path / "scraped.jsonl").write_text(jsonl_with_lone_surrogate(), encoding="utf-8")
+    path = write_params(tmp_path, {"target": TARGET, "datasets": {"s": {"path": "scraped.jsonl"}}})
+    assert main(["prompts", "s", "--params", str(path)]) == 0
+    out, err = capsys.readouterr()
+    assert "Traceback" not in err
+    assert f"scraped.jsonl:2: skipped: {LONE_ERROR}" in err
+    artifact = Path(out.strip().splitlines()[-1])
+    kept = {r["messages"][0]["content"] for r in read_jsonl(artifact)}
+    assert kept == {row["instruction"] for row in GOOD}
+    stats = json.loads(sidecar_of(artifact).read_text(encoding="utf-8"))["stats"]
+    assert stats["rows"] == 4 and stats["bad_rows"] == 1 and stats["kept"] == 3
+    assert stats["bad_examples"] == [{"line": 2, "reason": LONE_ERROR}]
+
+
+def write_json_array(path: Path, text_rows: list[str]) -> None:
+    path.write_text("[" + ",\n".join(text_rows) + "]", encoding="utf-8")
+
+
+@pytest.mark.parametrize("name", ["d.jsonl", "d.jsonl.gz", "d.json"])
+def test_lone_surrogate_is_the_records_error(tmp_path, name):
+    path = tmp_path / name
+    if name == "d.json":
+        write_json_array(path, [json.dumps(GOOD[0]), LONE, json.dumps(GOOD[1])])
+    elif name.endswith(".gz"):
+        path.write_bytes(gzip.compress(jsonl_with_lone_surrogate().encode()))
+    else:
+        path.write_text(jsonl_with_lone_surrogate(), encoding="utf-8")
+    rows = list(iter_rows(path))
+    assert rows[0] == (1, GOOD[0], None)
+    assert rows[1] == (2, None, LONE_ERROR)
+    assert rows[2] == (3, GOOD[1], None)
+
+
+def test_lone_surrogate_names_the_field_path(tmp_path):
+    rows = [
+        '{"conversations": [{"from": "human", "value": "ok"}, '
+        '{"from": "gpt", "value": "\\udc00"}]}',
+        '{"meta": {"t\\ud800g": 1}, "text": "ok"}',
+        '{"text": "a literal backslash-u: \\\\ud83d is text, not an escape"}',
+    ]
+    path = tmp_path / "d.jsonl"
+    path.write_text("\n".join(rows) + "\n", encoding="utf-8")
+    got = list(iter_rows(path))
+    assert got[0][2] == (
+        "text is not valid Unicode (lone surrogate \\udc00 in field conversations.1.value)"
+    )
+    assert (
+        got[1][2]
+        == "text is not valid Unicode (lone surrogate \\ud800 in field name meta.t\\ud800g)"
+    )
+    assert got[2][1] == {"text": "a literal backslash-u: \\ud83d is text, not an escape"}
+    for _, _, error in got[:2]:
+        error.encode("utf-8")  # the reason itself is printable and storable
+
+
+def test_parquet_text_that_is_not_utf8_is_the_rows_error(tmp_path):
+    texts = pa.array([b"fine", b"bad \xed\xa0\xbd bytes", b"also fine"], pa.binary())
+    table = pa.table({"instruction": texts.view(pa.string()), "output": ["a", "b", "c"]})
+    path = tmp_path / "d.parquet"
+    pq.write_table(table, path)
+    assert list(iter_rows(path)) == [
+        (1, {"instruction": "fine", "output": "a"}, None),
+        (2, None, "text is not valid Unicode (invalid UTF-8 in field instruction)"),
+        (3, {"instruction": "also fine", "output": "c"}, None),
+    ]
+
+
+# ---------------------------------------------------------------------------- damaged files
+
+
+@pytest.mark.parametrize("folder", ["data/raw", "data/raw.jsonl"])
+def test_directory_as_dataset_path_is_one_line(tmp_path, capsys, folder):
+    (tmp_path / folder).mkdir(parents=True)
+    path = write_params(tmp_path, {"target": TARGET, "datasets": {"s": {"path": folder}}})
+    assert main(["prompts", "s", "--params", str(path)]) == 2
+    one_error_line(capsys, "datasets.s.path", folder, "directory")
+    with pytest.raises(EagletError, match=r"raw(\.jsonl)?: is a directory, not a dataset file"):
+        iter_rows(tmp_path / folder)
+
+
+def test_directory_as_suite_path_is_refused(tmp_path):
+    (tmp_path / "suite").mkdir()
+    (tmp_path / "a.jsonl").write_text(json.dumps(GOOD[0]) + "\n")
+    data = {
+        "target": TARGET,
+        "datasets": {"a": {"path": "a.jsonl"}},
+        "drafters": {"d": {"datasets": ["a"], "evaluate": {"suites": {"s": {"path": "suite"}}}}},
+    }
+    msg = params_error(tmp_path, data)
+    assert "drafters.d.evaluate.suites.s.path: suite is a directory" in msg
+
+
+def test_unreadable_file_is_one_line(tmp_path, monkeypatch):
+    """(Run as root, a chmod 000 file stays readable: the refusal is simulated.)"""
+    from eaglet.formats import readers
+
+    path = tmp_path / "d.jsonl"
+    path.write_text(json.dumps(GOOD[0]) + "\n")
+
+    def denied(*args, **kwargs):
+        raise PermissionError(13, "Permission denied")
+
+    monkeypatch.setattr(readers, "_open_binary", denied)
+    with pytest.raises(EagletError) as e:
+        list(iter_rows(path))
+    assert str(e.value) == f"{path}: cannot read (Permission denied)"
+
+    monkeypatch.setattr(Path, "stat", denied)
+    with pytest.raises(EagletError) as e:
+        iter_rows(path)
+    assert str(e.value) == f"{path}: cannot read (Permission denied)"
+
+
+# ---------------------------------------------------------------------------- params refused
+
+
+def test_duplicate_yaml_key_is_refused(tmp_path, capsys):
+    path = tmp_path / "params.yaml"
+    path.write_text(
+        "target: {model: smollm2-135m-instruct}\n"
+        "datasets:\n"
+        "  a: {path: a.jsonl, max_samples: 10}\n"
+        "  b: {path: b.jsonl}\n"
+        "  a: {path: a2.jsonl}\n"
+    )
+    assert main(["status", "--params", str(path)]) == 2
+    one_error_line(capsys, str(path), "line 5", "duplicate key 'a'", "first on line 3")
+
+    path.write_text(
+        "target: {model: smollm2-135m-instruct}\ndatasets: {a: {path: a.jsonl, path: b.jsonl}}\n"
+    )
+    with pytest.raises(EagletError, match="line 2 invalid YAML: duplicate key 'path'"):
+        load(path)
+
+
+def test_yaml_merge_keys_may_be_overridden(tmp_path):
+    path = tmp_path / "params.yaml"
+    path.write_text(
+        "target: {model: smollm2-135m-instruct}\n"
+        "datasets:\n"
+        "  a: &a {path: a.jsonl, format: alpaca}\n"
+        "  b:\n"
+        "    <<: *a\n"
+        "    format: dolly\n"
+    )
+    assert load(path).dataset("b") == {"path": "a.jsonl", "format": "dolly"}
+
+
+def test_dollar_budget_on_a_backend_without_cost_is_refused(tmp_path):
+    data = {
+        "target": TARGET,
+        "backends": {"local": {"kind": "transformers"}},
+        "datasets": {"a": {"path": "a.jsonl", "max_cost_usd": 5}},
+    }
+    msg = params_error(tmp_path, data)
+    assert "datasets.a.max_cost_usd: backend 'local' (transformers) reports no cost" in msg
+    r = main(["status", "--params", str(tmp_path / "params.yaml")])
+    assert r == 2
+
+    del data["datasets"]["a"]["max_cost_usd"]
+    data["budget"] = {"max_cost_usd": 5}
+    msg = params_error(tmp_path, data)
+    assert "budget.max_cost_usd: no dataset's backend reports a cost" in msg
+    assert "a: 'local' (transformers)" in msg
+
+
+def test_dollar_budget_on_an_openai_backend_loads(tmp_path):
+    """An openai backend reports the answers' usage.cost even without price_per_mtok; an overall
+    budget holds over a project whose other datasets run on engines of its own (no dollars)."""
+    data = {
+        "target": TARGET,
+        "backends": {
+            "api": {"kind": "openai", "base_url": "https://api.example.com/v1", "model": "m"},
+            "engine": {"kind": "sglang", "url": "http://127.0.0.1:30000"},
+        },
+        "generation": {"backend": "api"},
+        "budget": {"max_cost_usd": 10},
+        "datasets": {
+            "a": {"path": "a.jsonl", "max_cost_usd": 5},
+            "b": {"path": "b.jsonl", "backend": "engine", "token_budget": 1000},
+        },
+    }
+    p = load(write_params(tmp_path, data))
+    assert p.dataset("a")["max_cost_usd"] == 5 and p.data["budget"]["max_cost_usd"] == 10
+
+
+def test_humaneval_is_not_a_training_format(tmp_path):
+    data = {"target": TARGET, "datasets": {"code": {"path": "c.jsonl", "format": "humaneval"}}}
+    msg = params_error(tmp_path, data)
+    assert "datasets.code.format: humaneval is an evaluation suite only" in msg
+
+
+def test_shipped_params_still_load():
+    for path in [*ROOT.glob("params*.yaml"), *(ROOT / "examples").glob("*.yaml")]:
+        assert load(path).datasets, path
