@@ -196,3 +196,38 @@ def test_prompts_that_cannot_fit_max_length_are_never_sent(tmp_path, fake):
     write_params(tmp_path, data)
     generate.build(load(tmp_path / "params.yaml"), "a", quiet=True)
     assert paid(server) == 6
+
+
+def test_a_damaged_store_row_and_an_unwritable_data_folder_are_one_line(tmp_path, fake):
+    server = fake()
+    write_raw(tmp_path, 4)
+    data = api_params(server.url, {"a": {"path": "data/raw.jsonl", "format": "sharegpt"}})
+    params = setup(tmp_path, data)
+    generate.build(params, "a", quiet=True)
+    db = sqlite3.connect(store_path(params.root))
+    key = db.execute("SELECT key FROM responses LIMIT 1").fetchone()[0]
+    db.execute('UPDATE responses SET result = \'{"response": "cut\' WHERE key = ?', (key,))
+    db.commit()
+    db.close()
+    proc = eaglet_proc(tmp_path, "generate", "a", "--quiet", "--out", str(tmp_path / "o.zst"))
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 2 and len(err.strip().splitlines()) == 1, err
+    assert f"responses.sqlite: the answer under key {key[:16]} is unreadable" in err
+    # data/responses is a file, not a folder: the write fails with one line naming it
+    (tmp_path / "data" / "responses").mkdir(exist_ok=True)
+    blocked = tmp_path / "data" / "responses" / "a"
+    if blocked.exists():
+        import shutil
+
+        shutil.rmtree(blocked)
+    blocked.write_text("not a folder")
+    db = sqlite3.connect(store_path(params.root))
+    db.execute("DELETE FROM responses WHERE key = ?", (key,))
+    db.commit()
+    db.close()
+    proc = eaglet_proc(tmp_path, "generate", "a", "--quiet")
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 2 and "Traceback" not in err, err
+    last = err.strip().splitlines()[-1]  # after the progress line: one line naming the path
+    assert last.startswith("eaglet: error: ") and last.endswith("data/responses/a: File exists")
+    assert stored(params) == 4  # the answer paid again is in the store all the same

@@ -336,6 +336,12 @@ def main(argv: list[str] | None = None) -> int:
     except EagletError as e:
         print(f"eaglet: error: {e}", file=sys.stderr)
         return 2
+    except OSError as e:  # a read-only or full filesystem, a path that is not a folder ...
+        if e.filename is None:
+            raise
+        where = f"{e.filename} -> {e.filename2}" if e.filename2 else e.filename
+        print(f"eaglet: error: {where}: {e.strerror or e}", file=sys.stderr)
+        return 2
     except KeyboardInterrupt:
         print("eaglet: interrupted", file=sys.stderr)
         return 130

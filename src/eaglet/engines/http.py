@@ -194,7 +194,8 @@ class Client:
                 except (KeyError, TypeError, AttributeError, IndexError, ValueError) as e:
                     # a 200 of a shape the parser did not expect: a failed attempt, never a
                     # dead worker
-                    raise Retryable(f"HTTP 200 of an unexpected shape ({type(e).__name__}: {e})")
+                    shape = f"HTTP 200 of an unexpected shape ({type(e).__name__}: {e})"
+                    raise Retryable(shape) from None
             except httpx.TimeoutException as e:
                 err: Exception = Retryable(f"timeout ({type(e).__name__})")
             except httpx.TransportError as e:

@@ -25,6 +25,7 @@ import time
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
+from eaglet.errors import EagletError
 from eaglet.formats.io import dumps
 
 BUSY_TIMEOUT_MS = 60_000
@@ -133,9 +134,16 @@ class Store:
                 f"FROM responses WHERE key IN ({marks})",
                 part,
             ):
+                try:
+                    result = json.loads(result) if result else None
+                except ValueError:
+                    raise StoreError(
+                        f"{self.path}: the answer under key {key[:16]} is unreadable (damaged "
+                        "row); delete that row to ask again"
+                    ) from None
                 out[key] = {
                     "status": status,
-                    "result": json.loads(result) if result else None,
+                    "result": result,
                     "error": error,
                     "attempts": attempts,
                     "completion_tokens": tokens,
@@ -263,6 +271,10 @@ class Store:
             "alive": alive,
             **json.loads(progress),
         }
+
+
+class StoreError(EagletError):
+    """The store holds something it cannot read back."""
 
 
 class Locked(Exception):

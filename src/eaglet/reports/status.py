@@ -1,12 +1,17 @@
 """`eaglet status`: every artifact's current key and state, and how each generation stands.
 
 An artifact is `up to date` when it exists at its current key, `stale` when only files of
-older keys exist (built from older params or code), else `missing`. Generation progress is read
-from the response store, so it is live while `eaglet generate` runs in another process.
+older keys exist (built from older params or code), else `missing`; `partial` when a build of
+the current key was started and not finished (a hidden-states folder's shards, a drafter's
+checkpoint), `damaged` when a hidden-states folder does not hold the shards its manifest names,
+each with the command that continues or rebuilds it. Generation progress is read from the
+response store, so it is live while `eaglet generate` runs in another process; an interrupted
+generation says so.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import time
@@ -60,6 +65,54 @@ def generation(params: Params, dataset: str, keys: Keys, store: Store | None) ->
     }
 
 
+COMMANDS = {
+    "prompts": "eaglet prompts {}",
+    "responses": "eaglet generate {}",
+    "hidden": "eaglet hidden {}",
+    "vocab": "eaglet vocab {}",
+    "train": "eaglet train {}",
+    "evaluate": "eaglet evaluate {}",
+    "sglang": "eaglet export {} --to sglang",
+    "vllm": "eaglet export {} --to vllm",
+}
+
+
+def _partial(path, stage: str) -> dict | None:
+    """How far an unfinished build of `path` got: hidden shards journaled, training's step."""
+    if stage == "hidden":
+        journal = path.parent / f".{path.name}.partial" / "journal.jsonl"
+        if journal.is_file():
+            lines = [x for x in journal.read_text(errors="replace").splitlines() if x.strip()]
+            return {"shards": max(0, len(lines) - 1), "updated": journal.stat().st_mtime}
+    if stage == "train":
+        work = path.parent / f".{path.name}.work"
+        info = work / "checkpoint.json"
+        if info.is_file():
+            with contextlib.suppress(ValueError, OSError):
+                return {**json.loads(info.read_text()), "updated": info.stat().st_mtime}
+        if (work / "checkpoint.pt").is_file():
+            return {"updated": (work / "checkpoint.pt").stat().st_mtime}
+    return None
+
+
+def _damage(path, stage: str) -> str | None:
+    """A cheap look at a built hidden folder: every shard its manifest names, at its size
+    (readers verify each shard's SHA-256 when they open it)."""
+    if stage != "hidden" or not path.is_dir():
+        return None
+    try:
+        manifest = read_json(path / "manifest.json")
+    except (OSError, ValueError):
+        return "manifest.json unreadable"
+    for shard in manifest.get("shards", []):
+        f = path / shard["name"]
+        if not f.is_file():
+            return f"{shard['name']} missing"
+        if f.stat().st_size != shard["bytes"]:
+            return f"{shard['name']}: {f.stat().st_size} bytes, the manifest says {shard['bytes']}"
+    return None
+
+
 def _row(params: Params, keys: Keys, store, kind: str, name: str, stage: str) -> dict:
     path = keys.path(stage, name)
     sidecar = keys.sidecar(stage, name)
@@ -70,6 +123,14 @@ def _row(params: Params, keys: Keys, store, kind: str, name: str, stage: str) ->
         "path": os.path.relpath(path),
         "state": _state(path, stage),
     }
+    command = COMMANDS[stage].format(name)
+    if row["state"] != "up to date" and (partial := _partial(path, stage)):
+        row["state"], row["partial"] = "partial", partial
+        fresh = time.time() - partial["updated"] < RUN_FRESH_S
+        row["next"] = f"{'running' if fresh else 'interrupted'}; continue: {command}"
+    elif row["state"] == "up to date" and (damage := _damage(path, stage)):
+        row["state"], row["damage"] = "damaged", damage
+        row["next"] = f"rebuild: rm -r {row['path']} && {command}"
     if path.exists() and sidecar.exists():
         row["stats"] = read_json(sidecar).get("stats", {})
     if stage == "responses":
@@ -105,6 +166,14 @@ def _duration(seconds: float | None) -> str:
 
 def _summary(row: dict) -> str:
     st = row.get("stats", {})
+    if row["state"] == "partial":
+        p = row["partial"]
+        done = f"{p['shards']} shards built" if "shards" in p else ""
+        if "step" in p:
+            done = f"checkpoint at step {p['step']}" + (f"/{p['total']}" if "total" in p else "")
+        return f"{done or 'started'}; {row['next']}"
+    if row["state"] == "damaged":
+        return f"{row['damage']}; {row['next']}"
     if row["stage"] == "prompts" and st:
         return f"{st['kept']} prompts ({st['bad_rows']} bad rows, {st['duplicates']} duplicates)"
     g = row.get("generation")
@@ -125,6 +194,9 @@ def _summary(row: dict) -> str:
         if st.get("from_grammar"):
             text += f", {st['from_grammar']} written in the target's grammar"
         run = g["run"]
+        if run and run["state"] == "interrupted" and g["done"] < g["prompts"]:
+            text += f"; interrupted at {run.get('done', '?')}/{run.get('total', '?')}"
+            text += f" (continue: eaglet generate {row['dataset']})"
         if run and run["state"] in ("running", "stalled"):
             text += (
                 f"; {run['state']}: {run['done']}/{run['total']}, {run['rate']:.2f} req/s, "
