@@ -231,3 +231,37 @@ def test_a_damaged_store_row_and_an_unwritable_data_folder_are_one_line(tmp_path
     last = err.strip().splitlines()[-1]  # after the progress line: one line naming the path
     assert last.startswith("eaglet: error: ") and last.endswith("data/responses/a: File exists")
     assert stored(params) == 4  # the answer paid again is in the store all the same
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A 192 KiB tmpfs for the store (data/cache): a filesystem that fills up mid-run."""
+    where = tmp_path / "data" / "cache"
+    where.mkdir(parents=True)
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=192k", "tmpfs", str(where)])
+    if r.returncode != 0:
+        pytest.skip("mounting a tmpfs needs root (CI and the developers' machines have it)")
+    yield where
+    subprocess.run(["umount", "-l", str(where)])
+
+
+@pytest.mark.parametrize("budget", [None, 100_000])
+def test_a_full_filesystem_under_the_store_stops_the_run(tmp_path, fake, small_disk, budget):
+    """The store's filesystem fills up: one line, the answers committed before are kept, the
+    rest reported lost (paid = stored + lost), no hang with a token budget set."""
+    server = fake(latency=0.002)
+    write_raw(tmp_path, 1500)
+    ds = {"path": "data/raw.jsonl", "format": "sharegpt"} | (
+        {"token_budget": budget} if budget else {}
+    )
+    data = api_params(server.url, {"a": ds})
+    data["backends"]["api"]["concurrency"] = 8
+    params = setup(tmp_path, data)
+    proc = eaglet_proc(tmp_path, "generate", "a", "--quiet")
+    _, err = proc.communicate(timeout=300)
+    assert proc.returncode == 2 and "Traceback" not in err, err
+    last = err.strip().splitlines()[-1]
+    assert "responses.sqlite: cannot store answers" in last and "full" in last, last
+    lost = int(re.search(r"(\d+) answers paid and not stored", last).group(1))
+    kept = stored(params)
+    assert kept > 0 and paid(server) == kept + lost and paid(server) < 1500
