@@ -217,8 +217,9 @@ def test_a_flipped_byte_in_a_shard_raises_on_every_read_path(tmp_path):
     assert str(e.value) == want
     with pytest.raises(EagletError, match="sha256 mismatch"):
         HiddenReader(out).get("s3")
-    with pytest.raises(EagletError, match="sha256 mismatch"):
-        list(HiddenReader(out).tokens())
+    # ids only (the vocab stage): the size is checked, not the digest, which would read the
+    # states too; a flipped byte in the states is caught where they are read
+    assert [t["id"] for t in HiddenReader(out).tokens()] == [f"s{i}" for i in range(5)]
     assert HiddenReader(out).get("s4")["id"] == "s4"  # other shards read
     assert len(list(HiddenReader(out, verify=False))) == 5  # for a caller checking itself
 
@@ -234,6 +235,8 @@ def test_a_missing_or_resized_shard_is_one_line(tmp_path):
         f.write(b"x")
     with pytest.raises(EagletError, match=r"bytes, the manifest says \d+: damaged"):
         HiddenReader(out).get("s4")
+    with pytest.raises(EagletError, match=f"{names[0]}: missing"):  # ids only: size checked
+        list(HiddenReader(out).tokens())
 
 
 def test_each_shard_is_hashed_once_per_reader(tmp_path, monkeypatch):

@@ -286,3 +286,26 @@ def test_compare_names_a_move_of_the_code_layout():
     ]
     assert _changed(moved, moved | {"code_key": "c"}) == ["code: b -> c"]
     assert _changed(moved, moved) == []
+
+
+def test_numbers_are_canonical_in_keys(tmp_path):
+    """`max_samples: 8.0` and `8`, `temperature: 0.0` and `0`: one value, one key."""
+    from eaglet.graph.keys import Keys
+    from eaglet.params import load
+
+    from .conftest import tiny_params, write_params
+
+    def keys(**overrides):
+        data = tiny_params(**overrides)
+        (tmp_path / "data" / "demo").mkdir(parents=True, exist_ok=True)
+        for name in ("sharegpt.jsonl", "dolly.jsonl"):
+            src = Path(__file__).parents[1] / "data" / "demo" / name
+            (tmp_path / "data" / "demo" / name).write_bytes(src.read_bytes())
+        return Keys(load(write_params(tmp_path, data)))
+
+    a, b = keys(temperature=0.0, max_new_tokens=8), keys(temperature=0, max_new_tokens=8.0)
+    for stage in ("prompts", "responses", "hidden"):
+        assert a.key(stage, "sg") == b.key(stage, "sg"), stage
+    assert a.spec("responses", "sg").values["sampling"]["temperature"] == 0
+    c = keys(temperature=0.5)
+    assert c.key("responses", "sg") != a.key("responses", "sg")

@@ -300,6 +300,7 @@ class Keys:
         if (stage, name) not in self._memo:
             st = STAGES[stage]
             values, upstream = _SLICES[stage](self, name)
+            values = canonical(values)  # `8.0` and `8` are one value, one key
             code = code_key(*st.roots)
             payload = [stage, code, values, upstream]
             key = hashlib.sha256(dumps(payload).encode()).hexdigest()[:KEY_LEN]
@@ -323,6 +324,18 @@ class Keys:
 
     def sidecar(self, stage: str, name: str) -> Path:
         return sidecar_of(self.path(stage, name))
+
+
+def canonical(value):
+    """`value` with every integral float as an int (YAML's `8.0` is params' `8`), recursively;
+    booleans stay booleans."""
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    if isinstance(value, dict):
+        return {k: canonical(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [canonical(v) for v in value]
+    return value
 
 
 def sidecar_of(artifact: Path) -> Path:
