@@ -69,6 +69,22 @@ def test_resume_after_kill_gives_the_same_weights(tiny, tmp_path):
     os.kill(proc.pid, signal.SIGKILL)
     proc.wait()
     assert not killed.exists()  # the output only appears complete
+    from eaglet.reports.status import _partial
+
+    at = _partial(killed, "train")  # what `eaglet status` shows: the step, without loading it
+    assert at["step"] in (3, 6) and at["total"] == 9
+
+    torn = tmp_path / ".torn.work"  # a damaged checkpoint: one line naming it, nothing built
+    torn.mkdir()
+    (torn / "checkpoint.pt").write_bytes(ckpt.read_bytes()[:100])
+    r = subprocess.run(
+        [sys.executable, str(SCRIPT), str(tiny), str(tmp_path / "torn"), "--max-steps", "9"],
+        env=ENV,
+        capture_output=True,
+        text=True,
+    )
+    assert r.returncode != 0 and "checkpoint.pt: unreadable checkpoint" in r.stderr
+    assert "delete it to train from the start" in r.stderr and not (tmp_path / "torn").exists()
 
     resumed = run(tiny, *args)
     assert resumed["resumed_from"] in (3, 6)

@@ -327,7 +327,13 @@ def resume(ckpt: Path, t: Trainer, hp: dict, run: Run) -> int:
     """Restore `t` and the RNGs from the checkpoint if there is one: the step to start at."""
     if not ckpt.exists():
         return 0
-    state = torch.load(ckpt, map_location=run.device, weights_only=False)
+    try:
+        state = torch.load(ckpt, map_location=run.device, weights_only=False)
+    except Exception as e:  # a torn or damaged file: torch raises several kinds
+        raise EagletError(
+            f"{ckpt}: unreadable checkpoint ({type(e).__name__}); delete it to train from the "
+            "start"
+        ) from None
     if state["hp"] != hp or state["world"] != run.world:
         raise EagletError(f"{ckpt}: checkpoint of a different run (params or processes)")
     t.model.load_state_dict(state["model"])
@@ -357,6 +363,8 @@ def save_checkpoint(ckpt: Path, t: Trainer, step: int, steps: Steps, hp: dict) -
     }
     with atomic_path(ckpt) as tmp:
         torch.save(state, tmp)
+    # how far it got, for `eaglet status` (reading the checkpoint itself would load it all)
+    write_json(ckpt.with_name("checkpoint.json"), {"step": step, "total": steps.total})
 
 
 def train_step(
