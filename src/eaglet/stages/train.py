@@ -331,8 +331,7 @@ def resume(ckpt: Path, t: Trainer, hp: dict, run: Run) -> int:
         state = torch.load(ckpt, map_location=run.device, weights_only=False)
     except Exception as e:  # a torn or damaged file: torch raises several kinds
         raise EagletError(
-            f"{ckpt}: unreadable checkpoint ({type(e).__name__}); delete it to train from the "
-            "start"
+            f"{ckpt}: unreadable checkpoint ({type(e).__name__}); delete it to train from the start"
         ) from None
     if state["hp"] != hp or state["world"] != run.world:
         raise EagletError(f"{ckpt}: checkpoint of a different run (params or processes)")
