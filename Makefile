@@ -38,9 +38,11 @@ lint: setup
 clean:
 	rm -rf .snakemake logs
 
-# Version the artifacts in DVC: drop non-current keys, add what is left, push to the remote
-# (configure one first: dvc remote add -d store /shared/eaglet-store  or  s3://bucket/eaglet).
+# Version the artifacts in DVC and push them (configure a remote first: dvc remote add -d store
+# /shared/eaglet-store  or  s3://bucket/eaglet). Nothing is deleted: every key, old ones
+# included, and a snapshot of the response store (every paid answer) go to the store first;
+# `eaglet gc` afterwards frees the workspace of what the store now holds.
 store: setup
-	$(PY) -m eaglet gc
-	$(VENV)/bin/dvc add $$(ls -d data/prompts data/responses data/hidden models 2>/dev/null)
+	$(PY) -m eaglet snapshot
+	$(VENV)/bin/dvc add $$(ls -d data/prompts data/responses data/hidden data/store models 2>/dev/null)
 	$(VENV)/bin/dvc push

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import sqlite3
 import subprocess
 import sys
 from pathlib import Path
@@ -234,11 +235,16 @@ def test_deleted_checkpoint_rebuilds_byte_identical(repo):
 
 
 def test_fresh_clone_plus_dvc_pull_is_up_to_date(repo, tmp_path):
+    """`make store`'s steps (the response store's snapshot and every key added, nothing deleted
+    first), then a fresh clone and `dvc pull`: nothing to do, every paid answer there."""
     remote = tmp_path / "remote"
     dvc = [sys.executable, "-m", "dvc"]
     run(repo, *dvc, "remote", "add", "-f", "-d", "store", str(remote))
-    eaglet(repo, "gc")
-    run(repo, *dvc, "add", "-q", "data/prompts", "data/responses", "data/hidden", "models")
+    recipe = (ROOT / "Makefile").read_text().split("\nstore: setup\n")[1].split("\n\n")[0]
+    assert "eaglet snapshot" in recipe and "data/store" in recipe and "gc" not in recipe
+    assert eaglet(repo, "snapshot").strip() == "data/store/responses.sqlite"
+    stages = ("data/prompts", "data/responses", "data/hidden", "data/store", "models")
+    run(repo, *dvc, "add", "-q", *stages)
     run(repo, *dvc, "push", "-q")
     git(repo, "add", "-A")
     git(repo, "commit", "-qm", "store artifacts")
@@ -246,6 +252,10 @@ def test_fresh_clone_plus_dvc_pull_is_up_to_date(repo, tmp_path):
     subprocess.run(["git", "clone", "-q", str(repo), str(clone)], check=True)
     run(clone, *dvc, "pull", "-q")
     assert planned(clone) == {}
+    db = sqlite3.connect(clone / "data" / "store" / "responses.sqlite")
+    answers = db.execute("SELECT COUNT(*) FROM responses WHERE status = 'ok'").fetchone()[0]
+    db.close()
+    assert answers == 6  # both datasets' answers, paid once, in the store
     assert "Nothing to be done" in smk(clone, "-n")
 
 

@@ -178,6 +178,21 @@ def cmd_gc(args: argparse.Namespace) -> None:
     print(f"{verb} {len(removed)} non-current artifacts", file=sys.stderr)
 
 
+def cmd_snapshot(args: argparse.Namespace) -> None:
+    from eaglet.formats.store import Store, store_path
+
+    params = _params(args)
+    source = store_path(params.root)
+    if not source.exists():
+        raise EagletError(f"{source}: no response store yet (nothing generated)")
+    store = Store(source)
+    try:
+        out = store.snapshot(params.root / "data" / "store" / source.name)
+    finally:
+        store.close()
+    print(os.path.relpath(out))
+
+
 def cmd_publish(args: argparse.Namespace) -> None:
     from eaglet.reports.publish import publish
 
@@ -301,6 +316,12 @@ def _graph_commands(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--dry-run", action="store_true", help="only list what would go")
     _add_common(p)
     p.set_defaults(fn=cmd_gc)
+
+    p = sub.add_parser(
+        "snapshot", help="copy the response store (every paid answer) to data/store/ for DVC"
+    )
+    _add_common(p)
+    p.set_defaults(fn=cmd_snapshot)
 
     p = sub.add_parser("publish", help="write current metrics at stable paths for DVC")
     _add_common(p)

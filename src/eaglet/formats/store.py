@@ -110,6 +110,20 @@ class Store:
     def close(self) -> None:
         self.db.close()
 
+    def snapshot(self, dest: Path) -> Path:
+        """A consistent copy of the store at `dest` (SQLite's online backup: other processes
+        may write meanwhile), written atomically: what `make store` versions in DVC."""
+        from eaglet.formats.atomic import atomic_path
+
+        with atomic_path(dest) as tmp:
+            copy = sqlite3.connect(tmp)
+            try:
+                self.db.backup(copy)
+                copy.execute("PRAGMA journal_mode = DELETE")  # one self-contained file
+            finally:
+                copy.close()
+        return Path(dest)
+
     @contextlib.contextmanager
     def transaction(self) -> Iterator[None]:
         """One write transaction: all of the block's writes, or none."""
