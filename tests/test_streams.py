@@ -258,7 +258,10 @@ def test_kimi_grammar_in_each_mode_and_its_calls(tok):
         "r</think><|tool_calls_section_begin|><|tool_call_begin|>functions.f:3"
         '<|tool_call_argument_begin|>{"a": 1}<|tool_call_end|><|tool_calls_section_end|><|im_end|>'
     )
-    for prompt, ans in ((on, Answer("r", "", calls)), (off, Answer("", "c", calls))):
+    k2 = "<|im_middle|>"  # K2-Thinking's prompt: the target opens <think> itself, or not at all
+    cases = [(on, Answer("r", "", calls)), (off, Answer("", "c", calls))]
+    cases += [(k2, Answer("r", "c")), (k2, Answer("", "c", calls))]
+    for prompt, ans in cases:
         stream = g.write(prompt, ans).removesuffix("<|im_end|>")
         assert agrees(Parsers(g, tok).parse(prompt, stream, None), ans) is None
         assert agrees(g.parse(prompt, stream), ans) is None  # eaglet's own reading agrees

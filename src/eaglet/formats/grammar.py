@@ -117,19 +117,21 @@ class KimiK2(Grammar):
 
     def thinking(self, prompt: str) -> bool:
         """K2.5 opens `<think>` in the generation prompt when thinking, closes it when not;
-        K2-Thinking's prompt ends at `<|im_middle|>` and the target opens it itself."""
-        return not prompt.endswith(THINK + END_THINK)
+        after a prompt that ends at `<|im_middle|>` (K2-Thinking) the target opens it itself,
+        which the stream shows."""
+        return prompt.endswith(THINK)
 
     def write(self, prompt: str, answer: Answer) -> str:
+        cut_in_reasoning = not answer.finished and not answer.content and not answer.calls
+        close = "" if cut_in_reasoning else END_THINK  # a length cap can end it mid-thought
         if prompt.endswith(THINK + END_THINK):
             if answer.reasoning:
                 raise GrammarError("reasoning in an answer to a prompt with thinking off")
             head = ""
         elif prompt.endswith(THINK):
-            cut_in_reasoning = not answer.finished and not answer.content and not answer.calls
-            head = answer.reasoning + ("" if cut_in_reasoning else END_THINK)
+            head = answer.reasoning + close
         else:
-            head = f"{THINK}{answer.reasoning}{END_THINK}" if answer.reasoning else ""
+            head = f"{THINK}{answer.reasoning}{close}" if answer.reasoning else ""
         body = answer.content
         if answer.calls:
             body += SECTION
@@ -140,7 +142,7 @@ class KimiK2(Grammar):
 
     def parse(self, prompt: str, text: str) -> Answer:
         reasoning = ""
-        if self.thinking(prompt) and END_THINK in text:
+        if (self.thinking(prompt) or text.startswith(THINK)) and END_THINK in text:
             reasoning, _, text = text.partition(END_THINK)
             reasoning = reasoning.removeprefix(THINK)
         content, _, section = text.partition(SECTION)
