@@ -74,6 +74,15 @@ def write_manifest_only(out: Path, manifest: dict, samples: list[dict]) -> Path:
     return out
 
 
+def _checked_tokens(base: HiddenReader) -> Path:
+    """The token ids of an online/hybrid folder, checked against its manifest (small: cheap)."""
+    path, entry = base.path / TOKENS, base.manifest["tokens"]
+    if not path.is_file() or sha256_file(path) != entry["sha256"]:
+        dataset = base.manifest.get("dataset") or "DATASET"
+        raise EagletError(f"{path}: missing or damaged (sha256); rebuild: eaglet hidden {dataset}")
+    return path
+
+
 def online_readers(setup: Setup, readers: list[HiddenReader]) -> list[OnlineReader]:
     """Readers of manifest-only directories that take the states from the engine `setup` names
     (the hidden stage's: target, engine settings)."""
@@ -125,7 +134,7 @@ class Source:
                 f"{setup.source}: hidden.mode {self.mode} with {world} training processes: "
                 "name one engine for all of them with hidden.url (and hidden.spool)"
             )
-        self._tokens = [safe_open(str(b.path / TOKENS), framework="pt") for b in bases]
+        self._tokens = [safe_open(str(_checked_tokens(b)), framework="pt") for b in bases]
         self._lengths = [{s["id"]: s["tokens"] for s in b.manifest["samples"]} for b in bases]
         hybrid = self.mode == "hybrid"
         self.caches = (
