@@ -289,7 +289,7 @@ def test_compare_two_revisions(repo):
         git(repo, "reset", "-q", "--hard", "HEAD~1")
     assert "## dataset dolly" in md and "## dataset sg" in md
     dolly = md.split("## dataset dolly")[1].split("##")[0]
-    assert "sampling.temperature: 0.0 -> 0.5" in dolly and "rebuild" in dolly
+    assert "sampling.temperature: 0 -> 0.5" in dolly and "rebuild" in dolly
     assert "| responses | 3 | not built |" in dolly
     sg = md.split("## dataset sg")[1].split("##")[0]
     assert "rebuild" not in sg and "| responses | 3 | 3 |" in sg
