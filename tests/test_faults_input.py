@@ -257,3 +257,14 @@ def test_humaneval_is_not_a_training_format(tmp_path):
 def test_shipped_params_still_load():
     for path in [*ROOT.glob("params*.yaml"), *(ROOT / "examples").glob("*.yaml")]:
         assert load(path).datasets, path
+
+
+def test_an_unknown_stage_or_name_in_eaglet_path_is_one_line(capsys):
+    """`eaglet path export demo` (an export is named by its format) and an unknown drafter."""
+    args = ["--params", str(ROOT / "params.yaml")]
+    assert main(["path", "export", "demo", *args]) == 2
+    assert "no stage 'export' (known: prompts, " in capsys.readouterr().err
+    assert main(["path", "train", "nope", *args]) == 2
+    assert "no drafter 'nope' (known: demo)" in capsys.readouterr().err
+    assert main(["path", "vllm", "demo", *args]) == 0
+    assert capsys.readouterr().out.strip().startswith(str(ROOT / "models" / "demo" / "vllm"))

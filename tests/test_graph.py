@@ -301,6 +301,30 @@ def test_compare_two_revisions(repo):
     assert a == b and float(a) >= 1
 
 
+def test_compare_with_a_raw_file_outside_git(repo):
+    """A dataset whose raw file is not in git (the norm for multi-GB files): its revision's keys
+    come from the workspace's file, and the table says so."""
+    raw = repo / "data" / "raw" / "dolly.jsonl"
+    raw.parent.mkdir(parents=True, exist_ok=True)
+    raw.write_bytes((ROOT / "data" / "demo" / "dolly.jsonl").read_bytes())  # the same bytes
+    data = tiny_params(max_new_tokens=4)
+    data["datasets"]["sg"]["max_samples"] = 3
+    data["datasets"]["dolly"].update(max_samples=3, path="data/raw/dolly.jsonl")
+    write_params(repo, data)
+    ignore = (repo / ".gitignore").read_text()
+    (repo / ".gitignore").write_text(ignore + "data/raw/\n")
+    git(repo, "commit", "-qam", "dolly's raw file outside git")
+    try:
+        assert "data/raw" not in git(repo, "ls-files")
+        md = eaglet(repo, "compare", "HEAD~1", "HEAD", "--md")
+    finally:
+        git(repo, "reset", "-q", "--hard", "HEAD~1")
+        shutil.rmtree(repo / "data" / "raw")
+    assert "| data/raw/dolly.jsonl from | - | workspace |" in md
+    dolly = md.split("## dataset dolly")[1].split("##")[0]
+    assert "rebuild" not in dolly  # the same bytes under another name: the same keys
+
+
 def test_slurm_profile_dry_run(repo):
     out = smk(repo, "--profile", "profiles/slurm", "-n", "--forceall")
     assert "rule responses" in out and "This was a dry-run" in out

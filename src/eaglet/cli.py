@@ -218,9 +218,17 @@ def cmd_report(args: argparse.Namespace) -> None:
 
 
 def cmd_path(args: argparse.Namespace) -> None:
-    from eaglet.graph.keys import Keys
+    from eaglet.graph.keys import STAGES, Keys
 
-    print(Keys(_params(args)).path(args.stage, args.name))
+    if args.stage not in STAGES:
+        known = ", ".join(STAGES)
+        raise EagletError(f"no stage '{args.stage}' (known: {known}; exports are sglang, vllm)")
+    params = _params(args)
+    names = params.datasets if STAGES[args.stage].kind == "dataset" else params.drafters
+    if args.name not in names:
+        what = STAGES[args.stage].kind
+        raise EagletError(f"{params.path}: no {what} '{args.name}' (known: {', '.join(names)})")
+    print(Keys(params).path(args.stage, args.name))
 
 
 def _add_common(p: argparse.ArgumentParser) -> None:

@@ -173,6 +173,11 @@ def _read(path: Path) -> dict:
     return raw
 
 
+def merged(path: Path) -> dict:
+    """The params file at `path` with its `extends:` chain applied, not validated."""
+    return _merged(Path(path).resolve(), ())
+
+
 def _merged(path: Path, chain: tuple[Path, ...]) -> dict:
     """The params file at `path` with its `extends:` chain applied."""
     if path in chain:

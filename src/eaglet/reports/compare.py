@@ -1,9 +1,11 @@
 """`eaglet compare REV_A REV_B`: two pipeline versions side by side, per dataset and drafter.
 
 Each revision (a git revision, or `workspace`) is exported and asked for its own keys with its
-own code (`eaglet keys --json`), so a code change shows up exactly where it moves a key. Numbers
-come from the sidecars of those keys found in this workspace; `dvc params diff` and
-`dvc metrics diff` add the ledger's view when the repository uses DVC.
+own code (`eaglet keys --json`), so a code change shows up exactly where it moves a key. Raw
+files outside git (multi-GB datasets, held-out suites) come from DVC's cache when the revision
+tracks them in a `.dvc` file (its own bytes), else from this workspace, and the output says
+which. Numbers come from the sidecars of those keys found in this workspace; `dvc params diff`
+and `dvc metrics diff` add the ledger's view when the repository uses DVC.
 """
 
 from __future__ import annotations
@@ -51,10 +53,62 @@ def _export(repo: Path, rev: str, into: Path) -> Path:
     return into
 
 
+def _raw_paths(params_file: Path) -> list[str]:
+    """The dataset and suite files a params file names (relative to it), read as YAML only:
+    the revision's own loader runs later, in its own code."""
+    from eaglet.params import merged
+
+    try:
+        data = merged(params_file)
+    except Exception:  # the revision's own `eaglet keys` reports a bad file
+        return []
+    paths = [d.get("path") for d in (data.get("datasets") or {}).values()]
+    for d in (data.get("drafters") or {}).values():
+        suites = ((d or {}).get("evaluate") or {}).get("suites") or {}
+        paths += [s.get("path") for s in suites.values() if isinstance(s, dict)]
+    return [p for p in paths if isinstance(p, str) and not os.path.isabs(p)]
+
+
+def _dvc_cached(repo: Path, pointer: Path) -> Path | None:
+    """The file a `.dvc` pointer names, in this repository's DVC cache (its md5), if there."""
+    import yaml
+
+    try:
+        outs = yaml.safe_load(pointer.read_text()).get("outs") or []
+        md5 = outs[0]["md5"]
+    except (OSError, ValueError, AttributeError, KeyError, IndexError, TypeError):
+        return None
+    cached = repo / ".dvc" / "cache" / "files" / "md5" / md5[:2] / md5[2:]
+    return cached if cached.is_file() else None
+
+
+def borrow_raw_files(repo: Path, tree: Path, params_rel: str) -> dict[str, str]:
+    """Link the raw files `rev`'s params name and its tree lacks: {path: where from}."""
+    borrowed = {}
+    base = Path(params_rel).parent
+    for rel in _raw_paths(tree / params_rel):
+        target = tree / base / rel
+        if target.exists():
+            continue
+        pointer = target.with_name(target.name + ".dvc")
+        source = _dvc_cached(repo, pointer) if pointer.is_file() else None
+        where = "dvc cache"
+        if source is None and (repo / base / rel).is_file():
+            source, where = repo / base / rel, "workspace"
+        if source is None:
+            continue  # the revision's own `eaglet keys` names the missing file
+        target.parent.mkdir(parents=True, exist_ok=True)
+        target.symlink_to(source.resolve())
+        borrowed[str(Path(base, rel))] = where
+    return borrowed
+
+
 def keys_at(repo: Path, rev: str, params_rel: str) -> dict[tuple[str, str], dict]:
-    """{(stage, name): provenance and relative path} as `rev`'s own code computes them."""
+    """{(stage, name): provenance and relative path} as `rev`'s own code computes them; the
+    raw files borrowed from outside git under ("raw", "files")."""
     with tempfile.TemporaryDirectory(prefix="eaglet-compare-") as tmp:
         tree = _export(repo, rev, Path(tmp))
+        borrowed = borrow_raw_files(repo, tree, params_rel) if tree != repo else {}
         env = {**os.environ, "PYTHONPATH": str(tree / "src")}
         r = subprocess.run(
             [sys.executable, "-m", "eaglet", "keys", "--json", "--params", str(tree / params_rel)],
@@ -66,7 +120,8 @@ def keys_at(repo: Path, rev: str, params_rel: str) -> dict[tuple[str, str], dict
     if r.returncode != 0:
         last = (r.stderr.strip().splitlines() or ["no output"])[-1]
         raise EagletError(f"{rev}: cannot compute keys: {last}")
-    return {(row["stage"], row["name"]): row for row in json.loads(r.stdout)}
+    rows = {(row["stage"], row["name"]): row for row in json.loads(r.stdout)}
+    return rows | {("raw", "files"): {"borrowed": borrowed}}
 
 
 def _flat(d: object, prefix: str = "") -> dict[str, object]:
@@ -101,9 +156,17 @@ def _stats(root: Path, row: dict | None) -> dict:
 def compare(repo: Path, rev_a: str, rev_b: str, params_rel: str = "params.yaml") -> list[dict]:
     """One table per dataset and drafter: keys, what changed, and the numbers of each side."""
     ka, kb = keys_at(repo, rev_a, params_rel), keys_at(repo, rev_b, params_rel)
+    raw_a, raw_b = ka.pop(("raw", "files"))["borrowed"], kb.pop(("raw", "files"))["borrowed"]
     root = repo / Path(params_rel).parent  # artifacts of both sides are looked up here
     subjects = sorted({(r["kind"], r["name"]) for r in [*ka.values(), *kb.values()]})
     tables = []
+    if raw_a or raw_b:  # raw files outside git: where each side's bytes came from
+        rows = [
+            {"row": f"{path} from", "a": raw_a.get(path, "-"), "b": raw_b.get(path, "-")}
+            | {"note": "", "changed": []}
+            for path in sorted(raw_a | raw_b)
+        ]
+        tables.append({"kind": "raw files", "name": "outside git", "rows": rows})
     for kind, name in subjects:
         rows = []
         stages = sorted({s for (s, n) in ka | kb if n == name}, key=_stage_order(ka | kb))
