@@ -482,3 +482,22 @@ def prompts_of(params, ds: str) -> list[dict]:
 def store_keys(params, ds: str) -> list[str]:
     _, job = generate.resolve(params, ds)
     return [job.keyfn(p["messages"]) for p in prompts_of(params, ds)]
+
+
+def test_dry_run_of_a_managed_engine_starts_nothing(tmp_path):
+    """`generate --dry-run` with a vLLM engine eaglet would start: no engine, no model loaded;
+    it says what it could not check."""
+    write_raw(tmp_path, 3)
+    data = {
+        "target": {"model": SMOLLM2},
+        "backends": {"engine": {"kind": "vllm"}},
+        "generation": {"backend": "engine", "max_new_tokens": 8},
+        "datasets": {"a": {"path": "data/raw.jsonl", "format": "sharegpt"}},
+    }
+    setup(tmp_path, data)
+    t0 = time.monotonic()
+    r = eaglet(tmp_path, "generate", "a", "--dry-run")
+    assert time.monotonic() - t0 < 60
+    assert "not started by a dry run, so not checked" in r.stdout + r.stderr
+    assert "requests to send: 3" in r.stdout + r.stderr
+    assert subprocess.run(["pgrep", "-f", "vllm.entrypoints"]).returncode != 0

@@ -23,6 +23,8 @@ def preflight(params: Params, dataset: str) -> dict:
     report: dict = {"dataset": dataset, "backend": j.backend, "kind": j.kind, "store": now}
     if j.kind == "transformers":
         report["check"] = {"model": params.target["model"], "in_process": True}
+    elif j.kind == "vllm" and not j.engine.get("url"):  # a dry run starts no engine
+        report["check"] = {"model": params.target["model"], "managed": True}
     else:
         backend = j.generator()
 
@@ -78,6 +80,11 @@ def show(report: dict) -> None:
     lines = [f"dry run: responses {report['dataset']} via {report['backend']} ({report['kind']})"]
     if c.get("in_process"):
         lines.append(f"  backend: in-process transformers, target {c['model']}")
+    elif c.get("managed"):
+        lines.append(
+            f"  backend: a vLLM engine eaglet starts for the run (target {c['model']}); not "
+            "started by a dry run, so not checked"
+        )
     else:
         served = {True: "served", False: "NOT served", None: "not listed"}[c.get("model_served")]
         lines.append(f"  backend: {c['url']} reachable; model {c.get('model')} {served}")
