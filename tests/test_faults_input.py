@@ -268,3 +268,21 @@ def test_an_unknown_stage_or_name_in_eaglet_path_is_one_line(capsys):
     assert "no drafter 'nope' (known: demo)" in capsys.readouterr().err
     assert main(["path", "vllm", "demo", *args]) == 0
     assert capsys.readouterr().out.strip().startswith(str(ROOT / "models" / "demo" / "vllm"))
+
+
+def test_a_hub_target_neither_cached_nor_reachable_is_one_line(tmp_path, capsys, monkeypatch):
+    """Offline (HF_HUB_OFFLINE, as in the tests) and not in the cache: keys, status and path
+    stop with one line that says what to do."""
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "empty-cache"))
+    (tmp_path / "a.jsonl").write_text('{"conversations": [{"from": "human", "value": "hi"}]}\n')
+    commit = "0123456789abcdef0123456789abcdef01234567"
+    data = {
+        "target": {"model": "moonshotai/Kimi-K2.5", "revision": commit, "trust_remote_code": True},
+        "datasets": {"a": {"path": "a.jsonl"}},
+    }
+    args = ["--params", str(write_params(tmp_path, data))]
+    for cmd in (["keys"], ["status"], ["path", "hidden", "a"]):
+        assert main([*cmd, *args]) == 2, cmd
+        err = capsys.readouterr().err.strip()
+        assert len(err.splitlines()) == 1 and "config.json is not in the local hub cache" in err
+        assert "download the model first" in err

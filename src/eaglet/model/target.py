@@ -389,8 +389,25 @@ def _fetch(spec: TargetSpec, name: str) -> Path:
     if Path(location).is_dir():
         return Path(location) / name
     from huggingface_hub import hf_hub_download
+    from huggingface_hub.errors import EntryNotFoundError, LocalEntryNotFoundError
 
-    return Path(hf_hub_download(location, name, revision=spec.revision))
+    try:
+        return Path(hf_hub_download(location, name, revision=spec.revision))
+    except LocalEntryNotFoundError:  # offline, or the hub unreachable, and not cached
+        raise EagletError(
+            f"target {location}@{(spec.revision or 'main')[:12]}: {name} is not in the local hub "
+            "cache and the hub cannot be reached; download the model first (huggingface-cli "
+            "download) or point target.model at a local folder"
+        ) from None
+    except EntryNotFoundError:
+        return Path(location) / name  # the repository has no such file: callers check is_file
+    except Exception as e:  # offline and not cached, unreachable, gated, no such repository
+        reason = " ".join(str(e).split())[:160]
+        raise EagletError(
+            f"target {location}@{(spec.revision or 'main')[:12]}: cannot read {name} from the hub "
+            f"or its local cache ({type(e).__name__}: {reason}); download the model first "
+            "(huggingface-cli download) or point target.model at a local folder"
+        ) from None
 
 
 def read_config(spec: TargetSpec) -> tuple[dict, str]:
