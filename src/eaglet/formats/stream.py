@@ -34,6 +34,7 @@ class Parsers:
         self.grammar, self.tokenizer = grammar, tokenizer
         self.reasoning_cls = self.tool_cls = None
         self.source = "eaglet"
+        self._built: dict = {}  # parsers built once per mode: each reads the whole vocabulary
         if grammar.reasoning_parser or grammar.tool_parser:
             try:
                 import vllm
@@ -60,17 +61,27 @@ class Parsers:
         reasoning, content = None, text
         if self.reasoning_cls is not None:
             thinking = self.grammar.thinking(prompt) or text.startswith("<think>")
-            parser = self.reasoning_cls(self.tokenizer, chat_template_kwargs={"thinking": thinking})
+            parser = self._parser("reasoning", thinking)
             reasoning, content = parser.extract_reasoning(text, request)
         calls: tuple[Call, ...] = ()
         if self.tool_cls is not None and content:
-            info = self.tool_cls(self.tokenizer).extract_tool_calls(content, request)
+            info = self._parser("tool", None).extract_tool_calls(content, request)
             if info.tools_called:
                 content = info.content or ""
                 calls = tuple(
                     Call(c.id or "", c.function.name, c.function.arguments) for c in info.tool_calls
                 )
         return Answer(reasoning or "", content or "", calls)
+
+    def _parser(self, kind: str, thinking: bool | None):
+        """One parser per kind and mode, reused: its non-streaming calls keep no state."""
+        if (kind, thinking) not in self._built:
+            if kind == "reasoning":
+                kw = {"chat_template_kwargs": {"thinking": thinking}}
+                self._built[kind, thinking] = self.reasoning_cls(self.tokenizer, **kw)
+            else:
+                self._built[kind, thinking] = self.tool_cls(self.tokenizer)
+        return self._built[kind, thinking]
 
 
 def agrees(got: Answer, want: Answer) -> str | None:
