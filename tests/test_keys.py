@@ -58,7 +58,7 @@ def test_code_key_cache_is_keyed_by_content(tmp_path):
     shutil.copytree(ROOT / "src" / "eaglet", tmp_path / "eaglet")
     cache = tmp_path / "cache"
     cold = _code_keys(tmp_path, cache)
-    [stored] = cache.glob("code-ast-v3-py*.json")
+    [stored] = cache.glob("code-ast-v4-py*.json")
     assert len(json.loads(stored.read_text())) >= 10  # one entry per module parsed
     assert _code_keys(tmp_path, cache) == cold  # warm: read back, same keys
     gen = tmp_path / "eaglet" / "stages/generate.py"
@@ -309,3 +309,20 @@ def test_numbers_are_canonical_in_keys(tmp_path):
     assert a.spec("responses", "sg").values["sampling"]["temperature"] == 0
     c = keys(temperature=0.5)
     assert c.key("responses", "sg") != a.key("responses", "sg")
+
+
+def test_code_digests_do_not_depend_on_the_interpreters_empty_fields():
+    """What CPython 3.12 adds (`type_params=[]` on functions and classes) and 3.13 leaves out
+    (empty fields) never reaches a code key: the same source, one text on every version."""
+    import ast
+
+    from eaglet.graph.keys import stable_dump
+
+    tree = ast.parse("class A:\n    def f(self, x: int = 1) -> int:\n        return x + 1\n")
+    text = stable_dump(tree)
+    fn = tree.body[0].body[0]
+    fn.type_params = []  # as 3.12's parser builds it
+    fn._fields = (*fn._fields, "type_params")
+    assert stable_dump(tree) == text
+    assert "type_params" not in text and "=[]" not in text and "=None" not in text
+    assert text == stable_dump(ast.parse(ast.unparse(tree)))  # formatting plays no part

@@ -48,8 +48,9 @@ LAYOUTS = {
     1: "one flat package",
     2: "modules moved to stages/, model/, formats/, ...",
     3: "code keys without module names (a later move changes none)",
+    4: "AST digests without empty fields: the same on CPython 3.11 to 3.13",
 }
-LAYOUT = 3
+LAYOUT = 4
 NOT_IN_TRAIN_KEY = ("checkpoint_every", "device", "min_supervised_share")  # no output byte
 
 
@@ -140,8 +141,8 @@ def code_key(*roots: str) -> str:
 PACKAGE = Path(__file__).resolve().parents[1]  # src/eaglet
 # (AST digest, imported names) of each module under the SHA-256 of its name and bytes: a pure
 # function of the source, so a hit is always right; a parse costs ~10 ms a module otherwise, at
-# every Snakefile parse. Per Python version: ast.dump's output is.
-_AST_CACHE = JsonCache(f"code-ast-v3-py{sys.version_info[0]}{sys.version_info[1]}.json")
+# every Snakefile parse. Per Python version all the same: a newer parser's tree is another object.
+_AST_CACHE = JsonCache(f"code-ast-v4-py{sys.version_info[0]}{sys.version_info[1]}.json")
 
 
 def _file(module: str) -> Path | None:
@@ -182,9 +183,26 @@ def _facts(module: str) -> tuple[str, tuple[tuple[str, str], ...]]:
             if isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant):
                 body = body[1:] if isinstance(body[0].value.value, str) else body
             node.body = _names_not_places(module, body) or [ast.Pass()]
-    digest = hashlib.sha256(ast.dump(tree).encode()).hexdigest()
+    digest = hashlib.sha256(stable_dump(tree).encode()).hexdigest()
     _AST_CACHE.put(stamp, [digest, [list(pair) for pair in imports]])
     return digest, imports
+
+
+def stable_dump(node: object) -> str:
+    """The tree as text, the same for the same source on CPython 3.11 to 3.13: `ast.dump`'s is
+    not (3.12 adds `type_params=[]` to every function and class, 3.13 drops empty fields), so
+    fields that are None or empty are left out on every version."""
+    if isinstance(node, ast.AST):
+        fields = []
+        for name in node._fields:
+            value = getattr(node, name, None)
+            if value is None or (isinstance(value, list) and not value):
+                continue
+            fields.append(f"{name}={stable_dump(value)}")
+        return f"{type(node).__name__}({', '.join(fields)})"
+    if isinstance(node, list):
+        return "[" + ", ".join(map(stable_dump, node)) + "]"
+    return repr(node)
 
 
 def _names_not_places(module: str, body: list[ast.stmt]) -> list[ast.stmt]:
