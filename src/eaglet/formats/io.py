@@ -150,11 +150,12 @@ def _verified_frames(path: Path) -> Iterator[bytes]:
             )
 
 
-class _VerifiedReader(io.RawIOBase):
-    """The verified text bytes of an artifact, as a raw binary stream."""
+class ChunkStream(io.RawIOBase):
+    """Byte chunks from a generator, as a raw binary stream (wrap it in BufferedReader); closing
+    it closes the generator."""
 
-    def __init__(self, path: Path):
-        self._frames = _verified_frames(path)
+    def __init__(self, chunks: Iterator[bytes]):
+        self._chunks = chunks
         self._pending = memoryview(b"")
 
     def readable(self) -> bool:
@@ -162,7 +163,7 @@ class _VerifiedReader(io.RawIOBase):
 
     def readinto(self, buffer) -> int:
         while not self._pending:
-            chunk = next(self._frames, None)
+            chunk = next(self._chunks, None)
             if chunk is None:
                 return 0
             self._pending = memoryview(chunk)
@@ -172,7 +173,7 @@ class _VerifiedReader(io.RawIOBase):
         return n
 
     def close(self) -> None:
-        self._frames.close()
+        self._chunks.close()
         super().close()
 
 
@@ -181,7 +182,9 @@ def open_text(path: str | os.PathLike) -> IO[str]:
 
     Whatever its name, the file must be as write_jsonl_zst writes it: a damaged one raises
     EagletError while it is read (a missing end marker on the first read)."""
-    return io.TextIOWrapper(io.BufferedReader(_VerifiedReader(Path(path))), encoding="utf-8")
+    return io.TextIOWrapper(
+        io.BufferedReader(ChunkStream(_verified_frames(Path(path)))), encoding="utf-8"
+    )
 
 
 def read_jsonl(path: str | os.PathLike) -> Iterator[dict]:

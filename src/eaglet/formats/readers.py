@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import IO
 
 from eaglet.errors import EagletError
+from eaglet.formats.io import ChunkStream
 
 Row = tuple[int, dict | None, str | None]
 
@@ -53,28 +54,21 @@ def _open_binary(path: Path, compression: str) -> IO[bytes]:
     if compression == ".gz":
         return gzip.open(path, "rb")
     if compression == ".zst":
-        return io.BufferedReader(_ZstdReader(path.open("rb")))
+        return io.BufferedReader(ChunkStream(_zstd_frames(path.open("rb"))))
     return path.open("rb")
 
 
-class _ZstdReader(io.RawIOBase):
+def _zstd_frames(file: IO[bytes]) -> Iterator[bytes]:
     """Streaming zstd decoding of every frame in a file, failing on a truncated one.
 
     (zstandard's own stream_reader stops after the first frame unless asked not to, and ends
-    silently on a truncated frame.)
-    """
+    silently on a truncated frame.)"""
+    import zstandard
 
-    def __init__(self, file: IO[bytes]):
-        self._file = file
-        self._chunks = self._decompress()
-        self._pending = memoryview(b"")
-
-    def _decompress(self) -> Iterator[bytes]:
-        import zstandard
-
+    try:
         dctx = zstandard.ZstdDecompressor()
         frame, in_frame = dctx.decompressobj(), False
-        data = self._file.read(_READ_SIZE)
+        data = file.read(_READ_SIZE)
         while data:
             yield frame.decompress(data)
             in_frame = not frame.eof
@@ -82,27 +76,11 @@ class _ZstdReader(io.RawIOBase):
                 data, frame = frame.unused_data, dctx.decompressobj()
             else:
                 data = b""
-            data = data or self._file.read(_READ_SIZE)
+            data = data or file.read(_READ_SIZE)
         if in_frame:
             raise zstandard.ZstdError("unexpected end of file inside a zstd frame")
-
-    def readable(self) -> bool:
-        return True
-
-    def readinto(self, buffer) -> int:
-        while not self._pending:
-            chunk = next(self._chunks, None)
-            if chunk is None:
-                return 0
-            self._pending = memoryview(chunk)
-        n = min(len(buffer), len(self._pending))
-        buffer[:n] = self._pending[:n]
-        self._pending = self._pending[n:]
-        return n
-
-    def close(self) -> None:
-        self._file.close()
-        super().close()
+    finally:
+        file.close()
 
 
 def _shown(text: str) -> str:
