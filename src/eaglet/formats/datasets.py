@@ -363,7 +363,7 @@ def _sharegpt_calls(value: str, field: str, turn: int, pairing: _Pairing) -> lis
         raise BadRow(f"{field}: function_call is not valid JSON") from None
     calls = parsed if isinstance(parsed, list) else [parsed]
     return [
-        pairing.call(_tool_call(call, f"{field}[{k}]", f"call_{turn}_{k}"), f"{field}[{k}]")
+        pairing.call(tool_call(call, f"{field}[{k}]", f"call_{turn}_{k}"), f"{field}[{k}]")
         for k, call in enumerate(calls)
     ]
 
@@ -457,13 +457,13 @@ def _chat_calls(turn: dict, field: str, index: int, pairing: _Pairing) -> list[d
         return []
     return [
         pairing.call(
-            _tool_call(call, f"{calls_field}[{k}]", f"call_{index}_{k}"), f"{calls_field}[{k}]"
+            tool_call(call, f"{calls_field}[{k}]", f"call_{index}_{k}"), f"{calls_field}[{k}]"
         )
         for k, call in enumerate(calls)
     ]
 
 
-def _tool_call(call: Any, field: str, default_id: str) -> dict:
+def tool_call(call: Any, field: str, default_id: str) -> dict:
     """One tool call in OpenAI shape; accepts {"function": {...}} or a flat {"name", ...}."""
     if not isinstance(call, dict):
         raise BadRow(f"{field}: expected an object, got {_type_name(call)}")

@@ -15,7 +15,7 @@ gap per dataset is the drift a stage checks against `generation.max_token_drift`
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from eaglet.errors import EagletError
@@ -104,19 +104,17 @@ def agrees(got: Answer, want: Answer) -> str | None:
 
 @dataclass
 class Writer:
-    """Turns response records into the target's output stream, for one dataset."""
+    """Writes text answers as the target's output stream, for one dataset."""
 
     tokenizer: Any
     grammar: Grammar
     parsers: Parsers | None = None
-    counts: dict = field(default_factory=lambda: {"engine": 0, "grammar": 0})
+    written: int = 0
 
     def output_ids(self, rec: dict) -> list[int]:
-        """The record's generated tokens; raises EagletError naming what is wrong."""
-        if rec.get("output_ids") is not None:
-            self.counts["engine"] += 1
-            return list(rec["output_ids"])
-        self.counts["grammar"] += 1
+        """The tokens of a text answer (a record without the engine's ids), written in the
+        target's grammar and read back; raises EagletError naming what is wrong."""
+        self.written += 1
         prompt = render(self.tokenizer, rec["messages"], rec.get("tools"), prompt=True)
         answer = Answer.of(rec)
         try:

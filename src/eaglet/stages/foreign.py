@@ -24,13 +24,12 @@ stage stops past `generation.max_token_drift`).
 
 from __future__ import annotations
 
-import json
 from collections import Counter
 from pathlib import Path
 from typing import Any
 
 from eaglet.errors import EagletError
-from eaglet.formats.datasets import BadRow, prompt_of, to_messages
+from eaglet.formats.datasets import BadRow, prompt_of, to_messages, tool_call
 from eaglet.formats.grammar import grammar, rename_calls
 from eaglet.formats.io import read_jsonl
 from eaglet.formats.readers import iter_rows
@@ -87,18 +86,7 @@ def _calls(row: dict) -> list[dict] | None:
         return None
     if not isinstance(calls, list):
         raise BadRow("tool_calls: expected a list")
-    out = []
-    for k, call in enumerate(calls):
-        fn = call.get("function") if isinstance(call, dict) else None
-        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
-            raise BadRow(f"tool_calls[{k}].function.name: missing")
-        args = fn.get("arguments", "{}")
-        args = args if isinstance(args, str) else json.dumps(args, ensure_ascii=False)
-        call_id = call.get("id") or f"call_{k}"
-        out.append(
-            {"id": call_id, "type": "function", "function": {"name": fn["name"], "arguments": args}}
-        )
-    return out
+    return [tool_call(call, f"tool_calls[{k}]", f"call_{k}") for k, call in enumerate(calls)]
 
 
 def _finish(row: dict) -> str:

@@ -156,7 +156,6 @@ class Dispatch:
         self.sent = 0
         self.lost = 0  # answers that arrived (paid) and could not be stored
         self.dropped = 0  # requests in flight when the run was interrupted
-        self.rejected = 0  # prompts rejected for good this run (an API's 4xx, too long)
         self._tokenizer = None
 
     def estimate(self) -> tuple[int, float]:
@@ -273,7 +272,6 @@ class Dispatch:
             return False
         reason = f"prompt of {n} tokens does not fit max_length {limit}"
         self.store.reject(key, "too_long", reason, n)
-        self.rejected += 1
         return True
 
     async def worker(self, queue: asyncio.Queue) -> None:
@@ -332,7 +330,6 @@ class Dispatch:
                 "(set price_per_mtok)"
             )
         if "error" in result:
-            self.rejected += bool(result.get("rejected"))
             self.progress.update(failed=1)
             return
         tokens, cost = result["completion_tokens"], result.get("cost") or 0.0
@@ -470,8 +467,7 @@ class Streams:
 
     def stats(self) -> dict:
         w = self.writer
-        grammar_made = w.counts["grammar"] if w else 0
-        out = {"token_drift": self.drift.summary(), "from_grammar": grammar_made}
+        out = {"token_drift": self.drift.summary(), "from_grammar": w.written if w else 0}
         if w is not None and w.parsers is not None:
             out["round_trip"] = f"{w.parsers.source}'s {self.grammar.name} parsers"
         return out
