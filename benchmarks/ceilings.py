@@ -43,14 +43,12 @@ from eaglet.errors import EagletError  # noqa: E402
 from eaglet.formats.chat import prompt_ids  # noqa: E402
 from eaglet.formats.hidden_store import HiddenReader  # noqa: E402
 from eaglet.formats.io import read_json, read_jsonl  # noqa: E402
-from eaglet.graph.keys import Keys, sidecar_of  # noqa: E402
+from eaglet.graph.keys import Keys, build, sidecar_of  # noqa: E402
 from eaglet.model.drafter import Drafter, DrafterConfig  # noqa: E402
 from eaglet.model.target import load_config, load_head, load_model, load_tokenizer, spec_of  # noqa: E402
 from eaglet.params import load  # noqa: E402
 from eaglet.stages import (  # noqa: E402
     drafter_data,
-    generate,
-    prompts,
     train,
     vocab,
 )
@@ -123,8 +121,8 @@ def generation(args, model, tokenizer) -> dict:
         log = Path(tmp) / "engine.log"
         with Engine(serve_config_of(params), log=log) as engine:  # its start-up, alone
             startup = engine.startup_s
-        prompts.build(params, "x")
-        out = generate.build(params, "x", threads=args.threads, quiet=True)
+        build("prompts", params, "x")
+        out = build("responses", params, "x", threads=args.threads, quiet=True)
         elapsed = read_json(sidecar_of(out))["stats"]["elapsed_s"]
         tokens = sum(r["completion_tokens"] or 0 for r in read_jsonl(out))
     return {

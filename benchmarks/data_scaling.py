@@ -40,14 +40,11 @@ from hidden_states import pressure  # noqa: E402
 
 from eaglet.formats.hidden_store import HiddenReader  # noqa: E402
 from eaglet.formats.io import read_json  # noqa: E402
-from eaglet.graph.keys import Keys  # noqa: E402
+from eaglet.graph.keys import Keys, build  # noqa: E402
 from eaglet.params import load  # noqa: E402
 from eaglet.stages import (  # noqa: E402
     drafter_data,
     evaluate,
-    generate,
-    hidden,
-    prompts,
     train,
 )
 
@@ -93,9 +90,9 @@ def heldout_states(params, drafter: str, folder: Path, threads: int) -> HiddenRe
     }
     (folder / "params.yaml").write_text(yaml.safe_dump(data))
     p = load(folder / "params.yaml")
-    prompts.build(p, "heldout")
-    generate.build(p, "heldout", threads=threads, quiet=True)
-    return HiddenReader(hidden.build(p, "heldout", threads=threads, quiet=True))
+    build("prompts", p, "heldout")
+    build("responses", p, "heldout", threads=threads, quiet=True)
+    return HiddenReader(build("hidden", p, "heldout", threads=threads, quiet=True))
 
 
 def answer_tokens(readers: list, refs: list) -> int:

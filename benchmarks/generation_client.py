@@ -29,6 +29,8 @@ from pathlib import Path
 import httpx
 import yaml
 
+from eaglet.graph.keys import build
+
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT / "src"), str(ROOT)]
 
@@ -89,9 +91,8 @@ def run_eaglet(proj: Path) -> float:
     """The whole `generate` stage, in this process; returns its dispatch seconds."""
     from eaglet.graph.keys import sidecar_of
     from eaglet.params import load
-    from eaglet.stages import generate
 
-    out = generate.build(load(proj / "params.yaml"), "d", quiet=True)
+    out = build("responses", load(proj / "params.yaml"), "d", quiet=True)
     return json.loads(sidecar_of(out).read_text())["stats"]["elapsed_s"]
 
 

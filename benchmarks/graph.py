@@ -70,11 +70,11 @@ rule export:
 
 SYNTH = """
 import hashlib, json
-from eaglet.graph.keys import code_key
+from eaglet.graph.keys import code_version
 DATASETS = {datasets!r}
 SHARDS = range({shards})
 KEYED = {keyed}
-CODE = code_key("eaglet.stages.generate") if KEYED else ""
+CODE = code_version("responses") if KEYED else ""
 _memo = {{}}
 def key(stage, ds, shard):
     if not KEYED:

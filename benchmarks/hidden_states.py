@@ -34,10 +34,10 @@ sys.path.insert(0, str(ROOT / "src"))
 from eaglet.formats.hidden_store import HiddenReader  # noqa: E402
 from eaglet.formats.io import read_json, read_jsonl, write_jsonl_zst  # noqa: E402
 from eaglet.formats.records import response_record  # noqa: E402
-from eaglet.graph.keys import Keys, sidecar_of  # noqa: E402
+from eaglet.graph.keys import Keys, build, sidecar_of  # noqa: E402
 from eaglet.model.target import SMOLLM2, load_model, load_tokenizer, resolve  # noqa: E402
 from eaglet.params import load  # noqa: E402
-from eaglet.stages import hidden, prompts  # noqa: E402
+from eaglet.stages import hidden  # noqa: E402
 
 MODES = {
     "bf16": {},
@@ -83,7 +83,7 @@ def project(root: Path, args) -> Path:
     params = load(root / "params.yaml")
     tok = load_tokenizer(resolve(SMOLLM2))
     text_ids = tok(corpus(), add_special_tokens=False)["input_ids"]
-    prompt_recs = list(read_jsonl(prompts.build(params, "sg")))
+    prompt_recs = list(read_jsonl(build("prompts", params, "sg")))
     records = []
     for i in range(args.samples):
         p = prompt_recs[i % len(prompt_recs)]
@@ -114,7 +114,7 @@ def with_hidden(params_file: Path, **cfg) -> Path:
 
 def stage(params_file: Path, out: Path) -> dict:
     shutil.rmtree(out, ignore_errors=True)
-    hidden.build(load(params_file), "sg", out=out, quiet=True)
+    build("hidden", load(params_file), "sg", out=out, quiet=True)
     return read_json(sidecar_of(out))["stats"]
 
 

@@ -22,7 +22,7 @@ import torch
 
 from eaglet.engines.vllm import Engine, ServeConfig, eagle3
 from eaglet.errors import EagletError
-from eaglet.graph.keys import Keys
+from eaglet.graph.keys import Keys, build
 from eaglet.model import speculative
 from eaglet.model.drafter import Drafter
 from eaglet.model.target import materialize, resolve, spec_of
@@ -144,7 +144,6 @@ def test_vllm_backend_answers_equal_the_in_process_backend(project):
     """Greedy fp32, eager: vLLM's output ids equal transformers' for the same prompts."""
     from eaglet.formats.io import read_jsonl
     from eaglet.params import load
-    from eaglet.stages import generate, prompts
 
     data = tiny_params(max_new_tokens=32)
     data["backends"] = {
@@ -155,8 +154,8 @@ def test_vllm_backend_answers_equal_the_in_process_backend(project):
     params = load(write_params(project, data))
     answers = {}
     for ds in ("sg", "sg_vllm"):
-        prompts.build(params, ds)
-        answers[ds] = {r["id"]: r for r in read_jsonl(generate.build(params, ds, quiet=True))}
+        build("prompts", params, ds)
+        answers[ds] = {r["id"]: r for r in read_jsonl(build("responses", params, ds, quiet=True))}
     assert not servers()  # stopped on the normal exit too
     assert answers["sg"].keys() == answers["sg_vllm"].keys() and len(answers["sg"]) == 6
     for pid, ours in answers["sg"].items():
@@ -260,7 +259,6 @@ def test_evaluate_measures_acceptance_with_the_engine(project):
     decoding, suite by suite, and lead the summary."""
     from eaglet.params import load
     from eaglet.reports import status
-    from eaglet.stages import evaluate, generate, hidden, prompts, vocab
 
     data = tiny_params(max_new_tokens=16)
     data["drafters"]["d"]["evaluate"].update(
@@ -274,15 +272,15 @@ def test_evaluate_measures_acceptance_with_the_engine(project):
     )
     params = load(write_params(project, data))
     for ds in ("sg", "dolly"):
-        prompts.build(params, ds)
-        generate.build(params, ds, threads=2, quiet=True)
-        hidden.build(params, ds, threads=2, quiet=True)
-    vocab.build(params, "d")
-    train.build(params, "d", threads=2, quiet=True)
+        build("prompts", params, ds)
+        build("responses", params, ds, threads=2, quiet=True)
+        build("hidden", params, ds, threads=2, quiet=True)
+    build("vocab", params, "d")
+    build("train", params, "d", threads=2, quiet=True)
     with pytest.raises(EagletError, match=r"needs the vLLM export .*eaglet export d --to vllm"):
-        evaluate.build(params, "d", quiet=True)
-    export.build(params, "d", "vllm")
-    out = evaluate.build(params, "d", threads=2, quiet=True)
+        build("evaluate", params, "d", quiet=True)
+    build("vllm", params, "d")
+    out = build("evaluate", params, "d", threads=2, quiet=True)
     assert not servers()
     metrics = json.loads((out / "metrics.json").read_text())
     assert set(metrics["engine"]["startup_s"]) == {"plain", "num_steps_2"}
@@ -323,7 +321,7 @@ def test_evaluate_measures_acceptance_with_the_engine(project):
     data["drafters"]["d"]["evaluate"]["in_process"] = False
     alone = load(write_params(project, data))
     assert Keys(alone).key("evaluate", "d") != Keys(params).key("evaluate", "d")
-    out = evaluate.build(alone, "d", threads=2, quiet=True)
+    out = build("evaluate", alone, "d", threads=2, quiet=True)
     solo = json.loads((out / "metrics.json").read_text())
     assert not solo["in_process"] and solo["offline"] == metrics["offline"]  # lm_head alone
     for name, suite in solo["suites"].items():
@@ -338,7 +336,7 @@ def test_evaluate_measures_acceptance_with_the_engine(project):
     with Engine(spec) as engine:
         data["drafters"]["d"]["evaluate"]["engine_url"] = engine.url
         op = load(write_params(project, data))
-        out = evaluate.build(op, "d", threads=2, quiet=True)
+        out = build("evaluate", op, "d", threads=2, quiet=True)
     m = json.loads((out / "metrics.json").read_text())
     assert m["engine"]["operator"] and m["greedy_reference"] is None
     for name, suite in m["suites"].items():

@@ -18,9 +18,8 @@ import pytest
 
 from eaglet.errors import EagletError
 from eaglet.formats.store import Store, store_path
-from eaglet.graph.keys import Keys, sidecar_of
+from eaglet.graph.keys import Keys, build, sidecar_of
 from eaglet.params import load
-from eaglet.stages import generate
 
 from .conftest import ROOT, write_params
 from .fake_llm import FakeLLM
@@ -89,7 +88,7 @@ def test_a_store_that_cannot_write_stops_the_run_and_reports_what_it_lost(
     monkeypatch.setattr(Store, "put", put)
     t0 = time.monotonic()
     with pytest.raises(EagletError) as e:
-        generate.build(params, "a", quiet=True)
+        build("responses", params, "a", quiet=True)
     assert time.monotonic() - t0 < 30  # no hang
     msg = str(e.value)
     assert "\n" not in msg and "responses.sqlite: cannot store answers" in msg
@@ -115,7 +114,7 @@ def test_a_200_of_an_unexpected_shape_is_a_retried_failure(tmp_path, fake, concu
     data["datasets"]["s"] = {"path": "data/raw.jsonl", "format": "sharegpt", "backend": "sg"}
     params = setup(tmp_path, data)
     for ds in ("a", "s"):
-        generate.build(params, ds, quiet=True)
+        build("responses", params, ds, quiet=True)
         assert len(records(params, ds)) == 20
     assert server.faulted["badshape"] > 0
     assert paid(server) == 40 == stored(params)
@@ -139,12 +138,12 @@ def test_one_generation_per_dataset_at_a_time(tmp_path, fake):
         with pytest.raises(
             EagletError, match=rf"another eaglet generate is running \(pid {first.pid}"
         ):
-            generate.build(params, "a", quiet=True)
+            build("responses", params, "a", quiet=True)
         assert first.wait(timeout=60) == 0, first.stderr.read()
     finally:
         first.kill()
     assert paid(server) == 12
-    generate.build(params, "a", quiet=True)  # the lock went with its holder
+    build("responses", params, "a", quiet=True)  # the lock went with its holder
     assert paid(server) == 12
 
 
@@ -186,7 +185,7 @@ def test_prompts_that_cannot_fit_max_length_are_never_sent(tmp_path, fake):
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     ds = {"path": "data/raw.jsonl", "format": "sharegpt", "max_length": 64}
     params = setup(tmp_path, api_params(server.url, {"a": ds}))
-    out = generate.build(params, "a", quiet=True)
+    out = build("responses", params, "a", quiet=True)
     assert len(records(params, "a")) == 4 and paid(server) == 4
     assert all("words" not in json.dumps(b) for b in server.sent.values())
     stats = json.loads(sidecar_of(out).read_text())["stats"]
@@ -194,7 +193,7 @@ def test_prompts_that_cannot_fit_max_length_are_never_sent(tmp_path, fake):
     assert "does not fit max_length 64" in stats["first_rejected"]["too_long"]
     data = json.loads(json.dumps(api_params(server.url, {"a": ds | {"max_length": 512}})))
     write_params(tmp_path, data)
-    generate.build(load(tmp_path / "params.yaml"), "a", quiet=True)
+    build("responses", load(tmp_path / "params.yaml"), "a", quiet=True)
     assert paid(server) == 6
 
 
@@ -203,7 +202,7 @@ def test_a_damaged_store_row_and_an_unwritable_data_folder_are_one_line(tmp_path
     write_raw(tmp_path, 4)
     data = api_params(server.url, {"a": {"path": "data/raw.jsonl", "format": "sharegpt"}})
     params = setup(tmp_path, data)
-    generate.build(params, "a", quiet=True)
+    build("responses", params, "a", quiet=True)
     db = sqlite3.connect(store_path(params.root))
     key = db.execute("SELECT key FROM responses LIMIT 1").fetchone()[0]
     db.execute('UPDATE responses SET result = \'{"response": "cut\' WHERE key = ?', (key,))

@@ -18,11 +18,10 @@ from eaglet.formats.chat import prompt_ids
 from eaglet.formats.io import read_jsonl
 from eaglet.formats.records import RESPONSE_FIELDS
 from eaglet.formats.store import Store, store_path
-from eaglet.graph.keys import Keys, sidecar_of
+from eaglet.graph.keys import Keys, build, resolve_stage, sidecar_of
 from eaglet.model.target import SMOLLM2, load_tokenizer, resolve
 from eaglet.params import load
 from eaglet.reports import status
-from eaglet.stages import generate, prompts
 from eaglet.stages.preflight import preflight
 
 from .conftest import ROOT, write_params
@@ -90,7 +89,7 @@ def setup(project: Path, data: dict, *datasets: str):
     write_params(project, data)
     params = load(project / "params.yaml")
     for ds in datasets or params.datasets:
-        prompts.build(params, ds)
+        build("prompts", params, ds)
     return params
 
 
@@ -190,7 +189,7 @@ def test_token_budget_output_is_the_longest_prefix_that_fits(tmp_path, server):
     budget = 150
     ds = {"path": "data/raw.jsonl", "format": "sharegpt", "token_budget": budget}
     params = setup(tmp_path, api_params(fake.url, {"b": ds}, concurrency=8))
-    out = generate.build(params, "b", quiet=True)
+    out = build("responses", params, "b", quiet=True)
     recs = list(read_jsonl(out))
     total = sum(r["completion_tokens"] for r in recs)
     order = list(read_jsonl(Keys(params).path("prompts", "b")))
@@ -205,11 +204,11 @@ def test_token_budget_output_is_the_longest_prefix_that_fits(tmp_path, server):
     out.unlink()
     data = api_params(fake.url, {"b": ds}, concurrency=1)
     write_params(tmp_path, data)
-    assert generate.build(load(tmp_path / "params.yaml"), "b", quiet=True).read_bytes() == first
+    assert build("responses", load(tmp_path / "params.yaml"), "b", quiet=True).read_bytes() == first
     assert len(fake.sent) == sent
     ds["token_budget"] = 10**6
     params = setup(tmp_path, api_params(fake.url, {"b": ds}, concurrency=8))
-    generate.build(params, "b", quiet=True)
+    build("responses", params, "b", quiet=True)
     assert len(records(params, "b")) == 60
     assert sum(len(v) for v in fake.sent.values()) == 60  # nothing asked twice
 
@@ -222,7 +221,7 @@ def test_overall_budget_stops_dispatch_and_keeps_answers(tmp_path, server):
     data["budget"] = {"max_cost_usd": 0.0003}
     params = setup(tmp_path, data)
     with pytest.raises(EagletError, match=r"not generated.*budget\.max_cost_usd reached"):
-        generate.build(params, "a", quiet=True)
+        build("responses", params, "a", quiet=True)
     store = Store(store_path(tmp_path))
     spent = store.totals()[1]
     (per,) = store.db.execute("SELECT MAX(cost) FROM responses").fetchone()
@@ -258,7 +257,7 @@ def test_identical_prompts_are_paid_once_and_processes_share_the_store(tmp_path,
     before = sum(len(v) for v in fake.sent.values())
     data["datasets"]["x"]["max_samples"] = 25
     params = setup(tmp_path, data, "x")
-    generate.build(params, "x", quiet=True)
+    build("responses", params, "x", quiet=True)
     assert len(records(params, "x")) == 25
     assert sum(len(v) for v in fake.sent.values()) == before
 
@@ -297,7 +296,7 @@ def test_retry_policy_against_injected_faults(tmp_path, server):
     write_raw(tmp_path, 40)
     ds = {"path": "data/raw.jsonl", "format": "sharegpt", "max_new_tokens": 3}
     params = setup(tmp_path, api_params(fake.url, {"a": ds}, reasoning={"effort": "none"}))
-    generate.build(params, "a", quiet=True)
+    build("responses", params, "a", quiet=True)
     recs = records(params, "a")
     assert len(recs) == 40
     for rec in recs:
@@ -319,7 +318,7 @@ def test_retry_after_is_honoured_and_pauses_the_backend(tmp_path, server):
     write_raw(tmp_path, 4)
     ds = {"path": "data/raw.jsonl", "format": "sharegpt"}
     params = setup(tmp_path, api_params(fake.url, {"a": ds}, concurrency=4, backoff_s=0.001))
-    generate.build(params, "a", quiet=True)
+    build("responses", params, "a", quiet=True)
     first = min(t[0] for t in fake.times.values())
     for times in fake.times.values():
         assert len(times) == 2 and times[1] - first >= 0.95
@@ -331,7 +330,7 @@ def test_slow_answers_time_out_and_are_retried(tmp_path, server):
     write_raw(tmp_path, 12)
     ds = {"path": "data/raw.jsonl", "format": "sharegpt"}
     params = setup(tmp_path, api_params(fake.url, {"a": ds}, timeout_s=0.5))
-    generate.build(params, "a", quiet=True)
+    build("responses", params, "a", quiet=True)
     recs = records(params, "a")
     assert fake.faulted["slow"] > 0 and len(recs) == 12
     assert sum(r["attempts"] == 2 for r in recs) == fake.faulted["slow"]
@@ -346,14 +345,14 @@ def test_failed_prompts_are_retried_by_a_rerun_and_rejected_ones_excluded(tmp_pa
     ds = {"path": "data/raw.jsonl", "format": "sharegpt"}
     params = setup(tmp_path, api_params(fake.url, {"a": ds}, max_retries=1))
     with pytest.raises(EagletError, match=r"failed \(first: [0-9a-f]{16}: HTTP 503"):
-        generate.build(params, "a", quiet=True)
+        build("responses", params, "a", quiet=True)
     assert not Keys(params).path("responses", "a").exists()
     g = status.collect(params)[1]["generation"]
     assert g["failed"] > 0 and g["rejected"] == fake.faulted["400"] > 0
     assert g["done"] + g["failed"] + g["rejected"] == 20
     fake.faults = {}  # the server recovers
     sent_before = sum(fake.attempts.values())
-    out = generate.build(params, "a", quiet=True)
+    out = build("responses", params, "a", quiet=True)
     assert sum(fake.attempts.values()) - sent_before == g["failed"]  # the rejected: not again
     recs = records(params, "a")
     assert len(recs) == 20 - g["rejected"] and sum(r["attempts"] > 1 for r in recs) >= g["failed"]
@@ -388,7 +387,7 @@ def test_dry_run_checks_the_backend_and_counts_store_misses(tmp_path, server):
     sg = {"path": "data/raw.jsonl", "format": "sharegpt"}
     data = api_params(fake.url, {"a": {**sg, "max_samples": 10}, "b": {**sg, "token_budget": 100}})
     params = setup(tmp_path, data)
-    generate.build(params, "a", quiet=True)
+    build("responses", params, "a", quiet=True)
     posts = fake.requests
     rep = preflight(params, "b")
     assert fake.requests - posts == 2 and len(fake.sent) == 10  # two GETs, no generation
@@ -422,7 +421,7 @@ def test_sglang_generate_sends_the_targets_own_prompt_ids(tmp_path, server):
     data["generation"]["backend"] = "sg"
     data["datasets"]["c"] = {"path": "data/raw.jsonl", "format": "sharegpt", "backend": "sgchat"}
     params = setup(tmp_path, data)
-    generate.build(params, "s", quiet=True)
+    build("responses", params, "s", quiet=True)
     tok = load_tokenizer(resolve(SMOLLM2))
     for rec in records(params, "s"):
         ids = prompt_ids(tok, rec["messages"])
@@ -433,7 +432,7 @@ def test_sglang_generate_sends_the_targets_own_prompt_ids(tmp_path, server):
         assert rec["model"] == SMOLLM2 and rec["cost"] is None
     sent = [b for b in fake.bodies if "input_ids" in b]
     assert all(b["sampling_params"]["max_new_tokens"] == CAP for b in sent)
-    out = generate.build(params, "c", quiet=True)  # the chat route: other keys, no reuse
+    out = build("responses", params, "c", quiet=True)  # the chat route: other keys, no reuse
     chat = records(params, "c")
     assert len(chat) == 12
     for rec in chat:  # text back: written in SmolLM2's grammar (ChatML), its own tokens
@@ -450,7 +449,7 @@ def test_unreachable_server_is_a_clean_failure(tmp_path):
     data = api_params("http://127.0.0.1:9", {"a": {"path": "data/raw.jsonl"}}, max_retries=1)
     params = setup(tmp_path, data)
     with pytest.raises(EagletError, match=r"3 failed \(first: .*connection failed"):
-        generate.build(params, "a", quiet=True)
+        build("responses", params, "a", quiet=True)
 
 
 def test_an_answer_the_targets_grammar_cannot_write_stops_naming_it(tmp_path, server):
@@ -464,7 +463,7 @@ def test_an_answer_the_targets_grammar_cannot_write_stops_naming_it(tmp_path, se
     with pytest.raises(
         EagletError, match=rf"response {first['id']}: chatml grammar: .*no reasoning"
     ):
-        generate.build(params, "a", quiet=True)
+        build("responses", params, "a", quiet=True)
     assert not Keys(params).path("responses", "a").exists()
     store = Store(store_path(params.root))
     try:
@@ -480,7 +479,7 @@ def prompts_of(params, ds: str) -> list[dict]:
 
 
 def store_keys(params, ds: str) -> list[str]:
-    _, job = generate.resolve(params, ds)
+    _, job = resolve_stage("responses", params, ds)
     return [job.keyfn(p["messages"]) for p in prompts_of(params, ds)]
 
 

@@ -156,27 +156,23 @@ def _edit(path: Path, new: str):
     return old
 
 
-def test_comment_only_edit_reruns_nothing_and_real_edit_reruns_downstream(repo):
+def test_plumbing_edits_rerun_nothing_and_a_version_bump_reruns_downstream(repo):
     gen = repo / "src" / "eaglet" / "stages/generate.py"
     old = _edit(gen, "# a comment about the engine\n{old}\n# and another one\n")
     try:
         assert planned(repo) == {}
-        gen.write_text(old + "\n\nRETRY_NOTE = 'a real change'\n")
-        # prompts do not import generate
+        gen.write_text(old + "\n\nRETRY_NOTE = 'plumbing: no kernel reads it'\n")
+        assert planned(repo) == {}
+        gen.write_text(old.replace("CODE = Code(\n    version=1,", "CODE = Code(\n    version=2,"))
+        # prompts are upstream of responses: they stay
         assert planned(repo) == {"responses": 2, "hidden": 2, **DRAFTER, "all": 1}
-        readers = repo / "src" / "eaglet" / "formats/readers.py"
-        old_readers = _edit(readers, "{old}\n\nUNUSED = 1\n")
-        try:
-            expected = {"prompts": 2, "responses": 2, "hidden": 2, **DRAFTER, "all": 1}
-            assert planned(repo) == expected
-        finally:
-            readers.write_text(old_readers)
     finally:
         gen.write_text(old)
     assert planned(repo) == {}
     hidden = repo / "src" / "eaglet" / "stages/hidden.py"
-    old_hidden = _edit(hidden, "{old}\n\nUNUSED = 2\n")
-    try:  # a real edit in the hidden-states module: hidden and downstream only
+    old_hidden = _edit(hidden, "{old}")
+    hidden.write_text(old_hidden.replace("    version=1,", "    version=2,", 1))
+    try:  # the hidden stage's version: hidden and downstream only
         assert planned(repo) == {"hidden": 2, **DRAFTER, "all": 1}
     finally:
         hidden.write_text(old_hidden)
@@ -189,7 +185,8 @@ def test_plumbing_only_commit_has_nothing_to_do(repo):
         src / "__init__.py": ('__version__ = "0.1.0"', '__version__ = "0.2.0"'),
         src / "stages/preflight.py": ("requests to send", "requests that would go out"),
         src / "progress.py": ('f"ETA {', 'f"eta {'),
-        src / "graph/keys.py": ("h = hashlib.sha256()", "h = hashlib.new('sha256')"),
+        src / "graph/keys.py": ("KEY_LEN = 12", "KEY_LEN: int = 12"),
+        src / "engines/http.py": ("POOL_CONNECTIONS = 16", "POOL_CONNECTIONS = 32"),
     }
     olds = {path: _edit(path, "{old}") for path in edits}
     try:
@@ -262,7 +259,8 @@ def test_fresh_clone_plus_dvc_pull_is_up_to_date(repo, tmp_path):
 def test_gc_keeps_current_and_status_flags_other_code(repo):
     eaglet(repo, "gc")
     gen = repo / "src" / "eaglet" / "stages/generate.py"
-    old = _edit(gen, "{old}\n\nCHANGED = True\n")
+    old = _edit(gen, "{old}")
+    gen.write_text(old.replace("    version=1,", "    version=2,", 1))
     try:
         out = eaglet(repo, "status")
         # the new code's responses and hidden states are stale (older keys sit beside them);

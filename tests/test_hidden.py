@@ -20,11 +20,10 @@ from eaglet.formats.hidden_store import HiddenReader, Storage, decode, encode
 from eaglet.formats.io import read_jsonl, write_jsonl_zst
 from eaglet.formats.records import response_record
 from eaglet.formats.stream import Writer
-from eaglet.graph.keys import Keys
+from eaglet.graph.keys import Keys, build, sidecar_of
 from eaglet.model.target import SMOLLM2, load_model, load_tokenizer, resolve
 from eaglet.params import load
 from eaglet.reports import status
-from eaglet.stages import hidden, prompts
 from eaglet.stages.hidden_verify import verify
 
 from .conftest import DEMO
@@ -65,7 +64,7 @@ def built(tmp_path_factory, smol):
     params = params_for(root, **EXACT)
     keys = Keys(params)
     records, writer = [], Writer(tok, grammar("chatml"))
-    for i, p in enumerate(read_jsonl(prompts.build(params, "sg"))):
+    for i, p in enumerate(read_jsonl(build("prompts", params, "sg"))):
         text = f"Answer {i}: light scatters, so the sky looks blue."
         ids = tok(text, add_special_tokens=False)["input_ids"] + [2] if i % 2 == 0 else None
         result = {
@@ -82,7 +81,7 @@ def built(tmp_path_factory, smol):
             rec["output_ids"] = writer.output_ids(rec)
         records.append(rec)
     write_jsonl_zst(keys.path("responses", "sg"), records)
-    out = hidden.build(params, "sg", quiet=True)
+    out = build("hidden", params, "sg", quiet=True)
     return root, params, records, out
 
 
@@ -152,7 +151,7 @@ def test_sglang_server_gives_the_same_manifest_and_shards(built, smol):
         params = params_for(
             root, "sglang.yaml", **EXACT, backend="sglang", url=aux.url, last_url=full.url
         )
-        other = hidden.build(params, "sg", out=root / "via-sglang", quiet=True)
+        other = build("hidden", params, "sg", out=root / "via-sglang", quiet=True)
     assert aux.requests == 1 + 4  # one 503 retried, then one request per sequence
     a, b = HiddenReader(out).manifest, HiddenReader(other).manifest
     assert b["backend"] == "sglang" and a["key"] != b["key"]
@@ -171,7 +170,7 @@ def test_vllm_engine_states_equal_the_transformers_forward(built, tmp_path):
     spool = tmp_path / "spool"
     spool.mkdir()  # given, so the test can see it emptied (unset: a temporary one, removed)
     params = params_for(root, "vllm.yaml", **EXACT, backend="vllm", spool=str(spool))
-    engine = hidden.build(params, "sg", out=root / "via-vllm", quiet=True)
+    engine = build("hidden", params, "sg", out=root / "via-vllm", quiet=True)
     assert not pgrep_vllm() and not any(spool.iterdir())
     ref, got = HiddenReader(out), HiddenReader(engine)
     assert got.manifest["backend"] == "vllm" and got.ids == ref.ids
@@ -218,7 +217,7 @@ def test_verify_passes_then_catches_a_corrupted_shard(built, tmp_path, capsys):
 def test_bf16_zstd_batched_within_rounding_and_status_bytes(built, capsys):
     root, _, _, exact = built
     params = params_for(root, "bf16.yaml", compress="zstd")  # defaults: bf16, batched, 256 MB
-    out = hidden.build(params, "sg", quiet=True)
+    out = build("hidden", params, "sg", quiet=True)
     for ref, s in zip(HiddenReader(exact), HiddenReader(out), strict=True):
         for name in ("aux", "last"):
             want = ref[name].to(torch.bfloat16).float()
@@ -247,6 +246,10 @@ def test_killed_run_resumes_from_the_last_complete_shard(built, capsys):
     partial = final.parent / f".{final.name}.partial"
     journal = partial / "journal.jsonl"
     cmd = [sys.executable, "-m", "eaglet", "hidden", "sg", "--params", str(params.path)]
+    # the exact build beside it holds every state (hidden.Reuse): out of sight, the killed run
+    # computes its shards, as this test means, and is slow enough to be killed midway
+    side = sidecar_of(exact)
+    side.rename(side.with_suffix(".off"))
     # the reference's threads: on an AMX CPU one thread and two round differently
     proc = subprocess.Popen([*cmd, "--quiet"], stderr=subprocess.DEVNULL)
     deadline = time.monotonic() + 120
@@ -263,6 +266,7 @@ def test_killed_run_resumes_from_the_last_complete_shard(built, capsys):
         f.write('{"name": "shard-0000')
     (partial / ".shard-00003.safetensors.tmp-x").write_bytes(b"partial")
     assert cli.main(["hidden", "sg", "--quiet", "--params", str(params.path)]) == 0
+    side.with_suffix(".off").rename(side)
     assert f"resuming: {len(done)} of 4 shards complete" in capsys.readouterr().err
     assert not partial.exists()
     for name, before in kept.items():  # completed shards were kept, not recomputed
@@ -278,7 +282,7 @@ def test_bad_inputs_are_one_line_errors(built, tmp_path):
     root = built[0]
     params = params_for(root, "bad.yaml", aux_layer_ids=[1, 30])
     with pytest.raises(EagletError, match=r"hidden\.aux_layer_ids: \[30\] out of range"):
-        hidden.build(params, "sg", out=tmp_path / "x")
+        build("hidden", params, "sg", out=tmp_path / "x")
     with pytest.raises(EagletError, match=r"hidden: 'url' is a required property"):
         params_for(root, "bad.yaml", backend="sglang")
     with pytest.raises(EagletError, match="not a hidden-states directory"):

@@ -17,10 +17,10 @@ import yaml
 from safetensors.torch import load_file
 
 from eaglet.formats.io import read_json
-from eaglet.graph.keys import Keys
+from eaglet.graph.keys import Keys, build
 from eaglet.params import load
 from eaglet.reports import status
-from eaglet.stages import drafter_data, generate, hidden, prompts, vocab
+from eaglet.stages import drafter_data
 
 from .conftest import DEMO, ROOT, tiny_params
 
@@ -63,10 +63,10 @@ def root(tmp_path_factory) -> Path:
     shutil.copytree(DEMO, root / "data" / "demo")
     ref = load(write(root, "offline", "offline"))
     for ds in ("sg", "dolly"):
-        prompts.build(ref, ds)
-        generate.build(ref, ds, quiet=True)
-        hidden.build(ref, ds, quiet=True)
-    vocab.build(ref, "d")
+        build("prompts", ref, ds)
+        build("responses", ref, ds, quiet=True)
+        build("hidden", ref, ds, quiet=True)
+    build("vocab", ref, "d")
     eaglet(root / "offline.yaml", "train", "d")
     return root
 

@@ -17,7 +17,7 @@ from eaglet.cli import main
 from eaglet.errors import EagletError
 from eaglet.formats.hidden_store import HiddenReader
 from eaglet.formats.io import read_json
-from eaglet.graph.keys import Keys, sidecar_of
+from eaglet.graph.keys import Keys, build, sidecar_of
 from eaglet.model import arch
 from eaglet.model.target import (
     SMOLLM2,
@@ -29,7 +29,6 @@ from eaglet.model.target import (
     resolve,
 )
 from eaglet.params import load
-from eaglet.stages import hidden
 
 from .conftest import write_params
 from .kimi_fixture import PREFIX, SPECIAL, TEXT, THINK, VOCAB, WRAPPER, operator_engine, tiny_kimi
@@ -386,12 +385,12 @@ def test_vllm_states_equal_the_transformers_backend_on_the_miniature(kimi, proje
     keys = Keys(params)
     tok = load_tokenizer(resolve(str(project / "target"), trust=True))
     records = _responses(keys)
-    ref = HiddenReader(hidden.build(params, "a1", quiet=True))
+    ref = HiddenReader(build("hidden", params, "a1", quiet=True))
     data = yaml.safe_load(Path(args[1]).read_text())
     spool = project / "spool"
     spool.mkdir()
     data["hidden"] |= {"backend": "vllm", "spool": str(spool), "concurrency": 2}
-    got = HiddenReader(hidden.build(load(write_params(project, data)), "a1", quiet=True))
+    got = HiddenReader(build("hidden", load(write_params(project, data)), "a1", quiet=True))
     assert subprocess.run(["pgrep", "-f", f"--model {project}"]).returncode != 0
     assert not any(spool.iterdir())
     assert got.manifest["last"]["how"].startswith("last layer output from the engine")

@@ -8,9 +8,8 @@ import pytest
 from eaglet.errors import EagletError
 from eaglet.formats.io import read_jsonl
 from eaglet.formats.records import prompt_id
-from eaglet.graph.keys import Keys, sidecar_of
+from eaglet.graph.keys import Keys, build, sidecar_of
 from eaglet.params import load
-from eaglet.stages import prompts
 
 from .conftest import FIXTURES, write_params
 
@@ -38,7 +37,7 @@ def run_stage(tmp_path, datasets: dict):
         tmp_path, {"target": {"model": "smollm2-135m-instruct"}, "datasets": datasets}
     )
     params = load(path)
-    return {ds: prompts.build(params, ds) for ds in datasets}, Keys(params)
+    return {ds: build("prompts", params, ds) for ds in datasets}, Keys(params)
 
 
 @pytest.mark.parametrize(
@@ -183,7 +182,7 @@ def test_unknown_dataset(tmp_path):
         {"target": {"model": "smollm2-135m-instruct"}, "datasets": {"d": {"path": "d.jsonl"}}},
     )
     with pytest.raises(EagletError, match="no dataset 'x'"):
-        prompts.build(load(tmp_path / "params.yaml"), "x")
+        build("prompts", load(tmp_path / "params.yaml"), "x")
 
 
 def test_suites_are_read_in_order_and_must_not_overlap_training(project):

@@ -5,11 +5,10 @@ from __future__ import annotations
 import json
 
 from eaglet.formats.io import read_jsonl
-from eaglet.graph.keys import Keys
+from eaglet.graph.keys import Keys, build
 from eaglet.model.target import SMOLLM2, load_tokenizer, resolve
 from eaglet.params import load
 from eaglet.reports import status
-from eaglet.stages import generate
 
 from .conftest import write_params
 from .fake_llm import FakeLLM
@@ -91,7 +90,7 @@ def test_status_reports_a_foreign_raw_responses_file_in_either_schema(tmp_path, 
     assert json.loads(eaglet(tmp_path, "status", "--json").stdout)[1]["generation"]["done"] == 7
 
     # a generation then pays only for what the file lacked, and keeps the imported answers
-    generate.build(params, "oa", quiet=True)
+    build("responses", params, "oa", quiet=True)
     assert len(fake.sent) == 5
     recs = list(read_jsonl(Keys(params).path("responses", "oa")))
     assert [x["response"] for x in recs[:7]] == [f"answer number {i}" for i in range(7)]
@@ -124,7 +123,7 @@ def test_artifact_states_missing_up_to_date_stale(tmp_path, monkeypatch):
         "missing",
     ]
     params = setup(tmp_path, data)
-    generate.build(params, "a", quiet=True)
+    build("responses", params, "a", quiet=True)
     assert [r["state"] for r in status.collect(params) if r["stage"] != "hidden"] == [
         "up to date",
         "up to date",
@@ -148,7 +147,7 @@ def test_gc_removes_other_keys_leftovers_and_caches_but_not_the_current_ones(tmp
     write_raw(tmp_path, 5)
     data = api_params(fake.url, {"a": {"path": "data/raw.jsonl", "format": "sharegpt"}})
     params = setup(tmp_path, data)
-    generate.build(params, "a", quiet=True)
+    build("responses", params, "a", quiet=True)
     fake.stop()
     keys = Keys(params)
     hidden = keys.path("hidden", "a")

@@ -24,11 +24,12 @@ def _params(args: argparse.Namespace):
 
 def _checked(args: argparse.Namespace, stage: str):
     """Params of a stage command; with --key, refuse to build under a key that is not current."""
+    from eaglet.graph.keys import Keys, check_code
+
+    check_code(stage)  # an edited kernel whose version stayed stops here
     params = _params(args)
     name = getattr(args, "dataset", None) or args.drafter
     if args.key:
-        from eaglet.graph.keys import Keys
-
         current = Keys(params).key(stage, name)
         if args.key != current:
             raise EagletError(
@@ -39,13 +40,13 @@ def _checked(args: argparse.Namespace, stage: str):
 
 
 def cmd_prompts(args: argparse.Namespace) -> None:
-    from eaglet.stages import prompts
+    from eaglet.graph.keys import build
 
-    print(prompts.build(_checked(args, "prompts"), args.dataset, out=args.out))
+    print(build("prompts", _checked(args, "prompts"), args.dataset, out=args.out))
 
 
 def cmd_generate(args: argparse.Namespace) -> None:
-    from eaglet.stages import generate
+    from eaglet.graph.keys import build
 
     params = _checked(args, "responses")
     if args.dry_run:
@@ -53,15 +54,14 @@ def cmd_generate(args: argparse.Namespace) -> None:
 
         preflight.show(preflight.preflight(params, args.dataset))
         return
-    print(
-        generate.build(params, args.dataset, out=args.out, threads=args.threads, quiet=args.quiet)
-    )
+    opts = {"threads": args.threads, "quiet": args.quiet}
+    print(build("responses", params, args.dataset, out=args.out, **opts))
 
 
 def cmd_hidden(args: argparse.Namespace) -> None:
     import json
 
-    from eaglet.stages import hidden
+    from eaglet.graph.keys import build
 
     params = _checked(args, "hidden")
     if args.verify:
@@ -72,36 +72,39 @@ def cmd_hidden(args: argparse.Namespace) -> None:
         )
         print(json.dumps(report))
     else:
-        print(hidden.build(params, args.dataset, args.out, threads=args.threads, quiet=args.quiet))
+        opts = {"threads": args.threads, "quiet": args.quiet}
+        print(build("hidden", params, args.dataset, out=args.out, **opts))
 
 
 def cmd_vocab(args: argparse.Namespace) -> None:
-    from eaglet.stages import vocab
+    from eaglet.graph.keys import build
 
-    print(vocab.build(_checked(args, "vocab"), args.drafter, out=args.out))
+    print(build("vocab", _checked(args, "vocab"), args.drafter, out=args.out))
 
 
 def cmd_train(args: argparse.Namespace) -> None:
-    from eaglet.stages import train
+    from eaglet.graph.keys import build
 
     params = _checked(args, "train")
-    out = train.build(params, args.drafter, out=args.out, threads=args.threads, quiet=args.quiet)
+    opts = {"threads": args.threads, "quiet": args.quiet}
+    out = build("train", params, args.drafter, out=args.out, **opts)
     if int(os.environ.get("RANK", "0")) == 0:
         print(out)
 
 
 def cmd_evaluate(args: argparse.Namespace) -> None:
-    from eaglet.stages import evaluate
+    from eaglet.graph.keys import build
 
     params = _checked(args, "evaluate")
-    out = evaluate.build(params, args.drafter, args.out, threads=args.threads, quiet=args.quiet)
+    opts = {"threads": args.threads, "quiet": args.quiet}
+    out = build("evaluate", params, args.drafter, out=args.out, **opts)
     print(out)
 
 
 def cmd_export(args: argparse.Namespace) -> None:
-    from eaglet.stages import export
+    from eaglet.graph.keys import build
 
-    out, command = export.build(_checked(args, args.to), args.drafter, args.to, out=args.out)
+    out, command = build(args.to, _checked(args, args.to), args.drafter, out=args.out)
     print(f"eaglet: {args.to} export validated; serve with:\n  {command}", file=sys.stderr)
     print(out)
 
@@ -135,6 +138,24 @@ def cmd_plan(args: argparse.Namespace) -> None:
 
     report = plan.plan(_params(args), args.target_config, args.gpu_memory * 2**30)
     print(json.dumps(report, indent=2) if args.json else plan.render(report))
+
+
+def cmd_code(args: argparse.Namespace) -> None:
+    from eaglet.graph import code
+    from eaglet.graph.keys import STAGES
+
+    stages = {name: st.module for name, st in STAGES.items()}
+    if args.lock:
+        found = code.lock(stages, tuple(args.same_bytes))
+        print(f"eaglet: {code.LOCK.name}: {len(found)} stages recorded")
+    problems = []
+    for s in code.states(stages):
+        problem = s.problem()
+        problems += [problem] if problem else []
+        state = "ok" if not problem else "bumped" if s.bumped else "EDITED"
+        print(f"{s.code.stage:<10} version {s.code.version:<3} kernel {s.digest}  {state}")
+    if problems:
+        raise EagletError("; ".join(problems))
 
 
 def cmd_status(args: argparse.Namespace) -> None:
@@ -319,6 +340,17 @@ def _graph_commands(sub: argparse._SubParsersAction) -> None:
         p.add_argument("--json", action="store_true", help=json_help)
         _add_common(p)
         p.set_defaults(fn=fn)
+
+    p = sub.add_parser("code", help="each stage's code version and kernel digest against the lock")
+    p.add_argument("--lock", action="store_true", help="record versions and digests in the lock")
+    p.add_argument(
+        "--same-bytes",
+        action="append",
+        default=[],
+        metavar="STAGE",
+        help="with --lock: STAGE's kernel changed but writes the same bytes (no version bump)",
+    )
+    p.set_defaults(fn=cmd_code)
 
     p = sub.add_parser("gc", help="remove non-current keyed artifacts (DVC's cache keeps them)")
     p.add_argument("--dry-run", action="store_true", help="only list what would go")

@@ -27,7 +27,7 @@ import hashlib
 import json
 import os
 import shutil
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -124,9 +124,16 @@ def encode(sample: dict, storage: Storage) -> dict[str, torch.Tensor]:
     return out
 
 
-def decode(get, tokens: int, n_aux: int, hidden: int, storage: Storage) -> dict:
-    """A sample's tensors from a `get(name)` accessor, in the contract's dtypes and shapes."""
-    dtype = DTYPES[storage.dtype]
+def decode(
+    get, tokens: int, n_aux: int, hidden: int, storage: Storage, dtype: str | None = None
+) -> dict:
+    """A sample's tensors from a `get(name)` accessor, in the contract's dtypes and shapes; the
+    states in `dtype` if given (else the storage's). Read in float32, `encode` gives back the
+    stored tensors exactly, FP8 included: a dequantized row's largest value is 448 x scale, whose
+    scale is the stored one again (checked for every float32 mantissa; a power of 2 changes
+    nothing). Read in bfloat16, an FP8 row is rounded and quantizes to another scale."""
+    want = DTYPES[dtype or storage.dtype]
+    kept = DTYPES[storage.dtype]
     out = {
         "input_ids": get("input_ids").long(),
         "loss_mask": get("loss_mask").bool(),
@@ -134,11 +141,11 @@ def decode(get, tokens: int, n_aux: int, hidden: int, storage: Storage) -> dict:
     dctx = zstandard.ZstdDecompressor()
     for name, shape in (("aux", (tokens, n_aux, hidden)), ("last", (tokens, hidden))):
         x = get(name)
-        stored = FP8 if storage.fp8 else dtype
+        stored = FP8 if storage.fp8 else kept
         if storage.compress == "zstd":
             x = join_planes(dctx.decompress(x.numpy().tobytes()), stored, shape)
         x = x.reshape(shape)
-        out[name] = dequantize_fp8(x, get(f"{name}_scale"), dtype) if storage.fp8 else x
+        out[name] = dequantize_fp8(x, get(f"{name}_scale"), want) if storage.fp8 else x.to(want)
     return out
 
 
@@ -377,7 +384,23 @@ class HiddenReader:
             raise EagletError(f"{self.path}: no sample '{id}'") from None
         return self._read(self._open(meta["shard"]), meta)
 
-    def _read(self, handle: Any, meta: dict) -> dict:
+    def read(self, ids: Iterable[str], dtype: str | None = None) -> Iterator[dict]:
+        """The samples `ids` (those this directory has), in manifest order: each shard opened
+        and checked once; their states in `dtype` if given (see `decode`)."""
+        wanted = set(ids)
+        handle, opened = None, None
+        try:
+            for meta in self.manifest["samples"]:
+                if meta["id"] not in wanted:
+                    continue
+                if meta["shard"] != opened:
+                    handle = self._open(meta["shard"])
+                    opened = meta["shard"]
+                yield self._read(handle, meta, dtype)
+        finally:
+            del handle
+
+    def _read(self, handle: Any, meta: dict, dtype: str | None = None) -> dict:
         sid = meta["id"]
         try:
             tensors = decode(
@@ -386,6 +409,7 @@ class HiddenReader:
                 self.n_aux,
                 self.hidden_size,
                 self.storage,
+                dtype,
             )
         except (zstandard.ZstdError, RuntimeError, ValueError) as e:
             raise EagletError(f"{self.path / meta['shard']}: sample {sid}: unreadable: {e}") from e

@@ -21,7 +21,6 @@ from pathlib import Path
 
 from eaglet.errors import EagletError
 from eaglet.formats.io import read_json
-from eaglet.graph.keys import LAYOUTS
 
 WORKSPACE = "workspace"
 # (stage, stat, label) rows shown under the keys of each dataset or drafter.
@@ -138,11 +137,9 @@ def _changed(a: dict | None, b: dict | None) -> list[str]:
     changes = [
         f"{k}: {fa.get(k)} -> {fb.get(k)}" for k in sorted(fa | fb) if fa.get(k) != fb.get(k)
     ]
-    if a and b and a["code_key"] != b["code_key"]:
-        changes.append(f"code: {a['code_key']} -> {b['code_key']}")
-        la, lb = a.get("code_layout", 1), b.get("code_layout", 1)
-        if la != lb:
-            changes.append(f"code layout {la} -> {lb}: {LAYOUTS.get(lb, 'unknown')}")
+    va, vb = (a or {}).get("code_version"), (b or {}).get("code_version")
+    if a and b and va != vb:  # before declared versions: a code key, no version
+        changes.append(f"code version: {va or a.get('code_key')} -> {vb or b.get('code_key')}")
     return changes
 
 

@@ -32,11 +32,12 @@ from pathlib import Path
 from eaglet.device import resolve_dtype
 from eaglet.errors import EagletError
 from eaglet.formats.io import read_json
-from eaglet.graph.keys import Keys, sglang_layer_ids, sidecar_of
+from eaglet.graph.keys import Keys, sidecar_of
 from eaglet.model import arch, train_memory
 from eaglet.model.target import need, read_config, spec_of, text_config
 from eaglet.params import Params
 from eaglet.reports import placement
+from eaglet.stages.hidden_spec import sglang_layer_ids
 
 # bytes on disk / (K+1)·H·2 as measured by benchmarks/hidden_states.py on SmolLM2 (README):
 # bf16 1.001, bf16+zstd 0.730, fp8 0.505 (1 byte a value + a float32 scale per token and

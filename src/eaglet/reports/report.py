@@ -2,7 +2,7 @@
 
 Read from the drafter's current artifacts only: the evaluation's metrics.json and its PNG plots
 (inlined as base64, so the page is one file that opens anywhere), the training's final numbers,
-and the provenance: the evaluation's params and keys, the code key, and the data counts of every
+and the provenance: the evaluation's params and keys, the code version, and the data counts of every
 dataset the drafter trains on. Every acceptance number is a table cell tagged with where it
 comes from in metrics.json (`data-metric`), so a test can hold the page to the file.
 """
@@ -169,7 +169,7 @@ def render(params: Params, drafter: str) -> str:
     parts = [
         f"<!doctype html><html><head><meta charset='utf-8'><title>eaglet: {drafter}</title>",
         f"<style>{STYLE}</style></head><body><h1>eaglet drafter <code>{drafter}</code></h1>",
-        f"<p>Evaluation <code>{prov['key']}</code> (code {prov['code_key']}), target "
+        f"<p>Evaluation <code>{prov['key']}</code> (code v{prov.get('code_version')}), target "
         f"{html.escape(str(params.target['model']))}, {metrics['prompts']} prompts, "
         f"greedy reference: {metrics['greedy_reference']}; page written {when}.</p>",
         _acceptance(metrics),

@@ -34,11 +34,11 @@ def _state(path, stage) -> str:
 
 def generation(params: Params, dataset: str, keys: Keys, store: Store | None) -> dict | None:
     """Prompts, answers done and failed, tokens, cost, % of target and the run in progress."""
-    from eaglet.stages.generate import resolve, scan
+    from eaglet.stages.generate import scan, setup
 
     if not keys.path("prompts", dataset).exists():
         return None
-    _, j = resolve(params, dataset, keys)
+    j = setup(keys, keys.spec("responses", dataset))
     if store is None:
         s = {"prompts": j.count(), "ok": 0, "failed": 0, "rejected": 0, "tokens": 0, "cost": 0.0}
     else:

@@ -17,9 +17,9 @@ from pathlib import Path
 import torch
 
 from eaglet.errors import EagletError
-from eaglet.graph.keys import Keys
+from eaglet.graph.keys import Keys, resolve_stage
 from eaglet.params import Params
-from eaglet.stages.hidden import Setup, resolve
+from eaglet.stages.hidden import Setup
 
 Ref = tuple[int, str]  # (reader index, sample id)
 
@@ -38,8 +38,8 @@ def states(params: Params, drafter: str) -> States:
     """The hidden states of the drafter's datasets, as params name them."""
     keys, names = Keys(params), params.drafter(drafter)["datasets"]
     paths = {ds: keys.path("hidden", ds) for ds in names}
-    online = keys.spec("hidden", names[0]).values.get("mode", "offline") != "offline"
-    return States(drafter, paths, resolve(params, names[0])[1] if online else None)
+    online = keys.spec("hidden", names[0]).values.mode != "offline"
+    return States(drafter, paths, resolve_stage("hidden", params, names[0])[1] if online else None)
 
 
 def open_readers(states: States) -> list:

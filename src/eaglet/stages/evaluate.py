@@ -31,6 +31,7 @@ from eaglet.errors import EagletError
 from eaglet.formats.atomic import atomic_path
 from eaglet.formats.chat import stop_ids
 from eaglet.formats.io import write_json
+from eaglet.graph.code import Code
 from eaglet.graph.keys import Keys, Spec, sidecar_of
 from eaglet.model import speculative
 from eaglet.model.drafter import Drafter
@@ -43,10 +44,10 @@ from eaglet.model.target import (
     pick_device,
 )
 from eaglet.model.target_head import shift
-from eaglet.params import Params
 from eaglet.progress import Progress
 from eaglet.stages import drafter_data, engine_eval, suites, train
 from eaglet.stages.engine_eval import temperature_key
+from eaglet.stages.evaluate_spec import EvaluateSpec
 
 
 def prompt_of(sample: dict) -> list[int] | None:
@@ -170,7 +171,7 @@ def engine_metrics(
 ) -> dict:
     """Every suite run by vLLM serving the target with the drafter's vLLM export (started here),
     or by an operator's engine already serving it (`engine_url`)."""
-    cfg, target = spec.values["evaluate"], setup.target
+    cfg, target = spec.values.evaluate, setup.target
     if setup.engine_url:  # an operator's engine, already serving this drafter
         return engine_eval.measure_running(
             setup.engine_url, target.name, prompts, cfg, sorted(stop)
@@ -189,6 +190,36 @@ def engine_metrics(
     )
     return engine_eval.measure(serve, engine_export(spec, setup), prompts, cfg, sorted(stop))
 
+
+# The code that shapes this stage's bytes (eaglet.graph.code): bump the version when they change.
+CODE = Code(
+    version=1,
+    kernel=(
+        "eaglet.stages.evaluate:prompt_of",
+        "eaglet.stages.evaluate:heldout_prompts",
+        "eaglet.stages.evaluate:offline",
+        "eaglet.stages.evaluate:decode_all",
+        "eaglet.stages.evaluate:engine_metrics",
+        "eaglet.stages.evaluate:agreement",
+        "eaglet.stages.evaluate:measure_suites",
+        "eaglet.stages.evaluate:summary",
+        "eaglet.model.speculative",
+        "eaglet.model.drafter",
+        "eaglet.model.target_head",
+        "eaglet.stages.engine_eval:temperature_key",
+        "eaglet.stages.engine_eval:measure",
+        "eaglet.stages.engine_eval:_speculative",
+        "eaglet.stages.suites:humaneval_records",
+        "eaglet.stages.suites:prompts",
+        "eaglet.stages.drafter_data:is_heldout",
+        "eaglet.stages.drafter_data:split",
+        "eaglet.engines.vllm:spec_counters",
+        "eaglet.engines.vllm:SpecCounters",
+        "eaglet.engines.vllm:eagle3",
+        "eaglet.engines.vllm_plugin",
+        "eaglet.stages.train:load",
+    ),
+)
 
 NOTES = {
     "agreement": (
@@ -309,7 +340,7 @@ def measure_suites(
 ) -> tuple[dict, dict | None]:
     """Every suite decoded by the engine (if configured) and by eaglet (if the target is loaded
     here, `target_model`): the per-suite metrics."""
-    cfg = spec.values["evaluate"]
+    cfg = spec.values.evaluate
     tokenizer = load_tokenizer(setup.target)
     if target_model is not None:
         stop = set(stop_ids(tokenizer, target_model))
@@ -348,7 +379,6 @@ def measure_suites(
 class Setup:
     """Beside the spec: where things are and how the run is placed; changes no output byte."""
 
-    out: Path
     states: drafter_data.States
     trained: Path
     export: Path  # the vLLM export an eaglet-started engine serves
@@ -361,12 +391,14 @@ class Setup:
     quiet: bool = False
 
 
-def resolve(
-    params: Params, drafter: str, threads: int | None = None, quiet: bool = False
-) -> tuple[Spec, Setup]:
-    keys, cfg = Keys(params), params.drafter(drafter)["evaluate"]
-    setup = Setup(
-        keys.path("evaluate", drafter),
+def setup(
+    keys: Keys, spec: Spec[EvaluateSpec], threads: int | None = None, quiet: bool = False
+) -> Setup:
+    if threads:
+        torch.set_num_threads(threads)
+    params, drafter = keys.params, spec.name
+    cfg = params.drafter(drafter)["evaluate"]
+    return Setup(
         drafter_data.states(params, drafter),
         keys.path("train", drafter),
         keys.path("vllm", drafter),
@@ -378,31 +410,16 @@ def resolve(
         threads,
         quiet,
     )
-    return keys.spec("evaluate", drafter), setup  # the spec refuses a target that fits nowhere
 
 
-def build(
-    params: Params,
-    drafter: str,
-    out: Path | None = None,
-    threads: int | None = None,
-    quiet: bool = False,
-) -> Path:
-    """Evaluate the current trained drafter; write the metrics folder and its sidecar."""
-    if threads:
-        torch.set_num_threads(threads)
-    spec, setup = resolve(params, drafter, threads, quiet)
-    return run(spec, setup, Path(out) if out else setup.out)
-
-
-def run(spec: Spec, setup: Setup, out: Path) -> Path:
+def run(spec: Spec[EvaluateSpec], setup: Setup, out: Path) -> Path:
     """Measure the drafter as `spec` says; write the metrics folder `out` and its sidecar."""
-    cfg = spec.values["evaluate"]
+    cfg = spec.values.evaluate
     own_decoder = cfg["in_process"]
     if cfg["engine"] == "vllm" and not setup.engine_url:
         engine_export(spec, setup)  # before decoding: fail fast
     readers = drafter_data.open_readers(setup.states)
-    _, held = drafter_data.split(readers, spec.values["heldout_fraction"])
+    _, held = drafter_data.split(readers, spec.values.heldout_fraction)
     model = train.load(setup.trained)
     if own_decoder:
         target_model = load_model(setup.target, setup.device, cfg["dtype"])

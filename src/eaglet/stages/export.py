@@ -28,13 +28,29 @@ from safetensors.torch import load_file, save_file
 from eaglet.errors import EagletError
 from eaglet.formats.atomic import atomic_path
 from eaglet.formats.io import read_json, write_json
+from eaglet.graph.code import Code
 from eaglet.graph.keys import Keys, Spec, sidecar_of
 from eaglet.model.arch import FIELDS, rope
 from eaglet.model.drafter import Drafter, DrafterConfig
-from eaglet.params import Params
 from eaglet.stages import train
+from eaglet.stages.export_spec import ExportSpec
 
-FORMATS = ("sglang", "vllm")
+# The code that shapes this stage's bytes (eaglet.graph.code): bump the version when they change.
+CODE = Code(
+    version=1,
+    kernel=(
+        "eaglet.stages.export:layer_config",
+        "eaglet.stages.export:sglang_config",
+        "eaglet.stages.export:_provenance",
+        "eaglet.stages.export:vllm_config",
+        "eaglet.stages.export:tensors",
+        "eaglet.stages.export:write",
+        "eaglet.model.drafter",
+        "eaglet.stages.train:load",
+    ),
+)
+
+
 DTYPE = "bfloat16"  # what both engines serve drafts in
 SPECULATORS_VERSION = "0.3.0"
 NORM_FLAGS = ("norm_before_residual", "norm_before_fc", "fc_norm", "norm_output")
@@ -324,43 +340,31 @@ def serve_command(fmt: str, target: str, draft: str, num_steps: int = 3) -> str:
 
 @dataclass(frozen=True)
 class Setup:
-    """Beside the spec: where the export lands, the trained drafter, the project root (what
-    the export's paths are relative to)."""
+    """Beside the spec: the trained drafter, the project root (what the export's paths are
+    relative to)."""
 
-    out: Path
     trained: Path
     root: Path
 
 
-def resolve(params: Params, drafter: str, fmt: str) -> tuple[Spec, Setup]:
-    if fmt not in FORMATS:
-        raise EagletError(f"export: unknown format '{fmt}' (known: {', '.join(FORMATS)})")
-    keys = Keys(params)
-    setup = Setup(keys.path(fmt, drafter), keys.path("train", drafter), params.root)
-    return keys.spec(fmt, drafter), setup
+def setup(keys: Keys, spec: Spec[ExportSpec]) -> Setup:
+    return Setup(keys.path("train", spec.name), keys.params.root)
 
 
-def build(params: Params, drafter: str, fmt: str, out: Path | None = None) -> tuple[Path, str]:
-    """Export the current trained drafter and validate it before it lands at its path (a
-    failing export never does); write the sidecar. Returns (path, serving command)."""
-    spec, setup = resolve(params, drafter, fmt)
-    return run(spec, setup, Path(out) if out else setup.out)
-
-
-def run(spec: Spec, setup: Setup, out: Path) -> tuple[Path, str]:
+def run(spec: Spec[ExportSpec], setup: Setup, out: Path) -> tuple[Path, str]:
     """Write and validate the export `spec` describes at `out`; (path, serving command)."""
     if not setup.trained.exists():
         raise EagletError(f"drafters.{spec.name}: not trained yet: {setup.trained}")
     model = train.load(setup.trained)
     v = spec.values
-    name = v["verifier"]
+    name = v.verifier
     if name.startswith("./"):  # a folder of the project: named relative to the export itself
         name = os.path.relpath(setup.root / name, out.resolve())
-    verifier = {"name_or_path": name, "architectures": v["verifier_architectures"]}
+    verifier = {"name_or_path": name, "architectures": v.verifier_architectures}
     draft = os.path.relpath(out.resolve(), setup.root.resolve())
-    command = serve_command(v["format"], v["verifier"], draft, v["num_steps"])
+    command = serve_command(v.format, v.verifier, draft, v.num_steps)
     with atomic_path(out, directory=True) as tmp:
-        write(model, v["format"], tmp, verifier, v["num_steps"], v["arch_differs_from_target"])
+        write(model, v.format, tmp, verifier, v.num_steps, v.arch_differs_from_target)
         report = validate(tmp, model)
         write_json(
             sidecar_of(out), {"provenance": spec.provenance(), "stats": report | {"serve": command}}

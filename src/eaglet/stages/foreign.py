@@ -35,8 +35,9 @@ from eaglet.formats.io import read_jsonl
 from eaglet.formats.readers import iter_rows
 from eaglet.formats.records import response_record
 from eaglet.formats.store import Store
+from eaglet.graph.keys import resolve_stage
 from eaglet.params import Params
-from eaglet.stages.generate import Streams, resolve
+from eaglet.stages.generate import Streams
 
 ANSWER_KEYS = ("response", "text", "content", "output")
 
@@ -164,7 +165,7 @@ def normalize(row: dict, prompts: dict[str, list], count) -> tuple[str, list[dic
 
 def import_file(params: Params, dataset: str, path: Path) -> dict:
     """Normalize every line of `path` into the store, all or nothing; return a summary."""
-    _, j = resolve(params, dataset)
+    _, j = resolve_stage("responses", params, dataset)
     g = grammar(j.grammar)
     records = {p["id"]: p for p in read_jsonl(j.prompts)}
     prompts = {pid: p["messages"] for pid, p in records.items()}

@@ -40,10 +40,30 @@ from eaglet.formats.io import dumps, read_json, read_jsonl, write_json, write_js
 from eaglet.formats.records import response_record
 from eaglet.formats.store import Locked, RequestKeys, Store, store_path
 from eaglet.formats.stream import Drift, Writer
+from eaglet.graph.code import Code
 from eaglet.graph.keys import Keys, Spec, sidecar_of
 from eaglet.model.target import TargetSpec, load_tokenizer
-from eaglet.params import Params
 from eaglet.progress import Progress
+from eaglet.stages.generate_spec import ResponsesSpec
+
+# The code that shapes this stage's bytes (eaglet.graph.code): bump the version when they change.
+CODE = Code(
+    version=1,
+    kernel=(
+        "eaglet.stages.generate:rejected",
+        "eaglet.stages.generate:plan_output",
+        "eaglet.stages.generate:output_records",
+        "eaglet.stages.generate:Streams",
+        "eaglet.stages.generate:write_output",
+        "eaglet.formats.stream",
+        "eaglet.formats.grammar",
+        "eaglet.formats.chat",
+        "eaglet.formats.records",
+        "eaglet.formats.io:write_jsonl_zst",
+        "eaglet.formats.io:dumps",
+        "eaglet.formats.io:_end_marker",
+    ),
+)
 
 CHUNK = 512  # prompts read and looked up at a time
 HEARTBEAT_S = 2.0
@@ -72,6 +92,8 @@ class Job:
     response_key: str
     grammar: str  # the target's output grammar: text answers -> its tokens
     max_token_drift: float
+    threads: int | None = None
+    quiet: bool = False
 
     def chunks(self) -> Iterator[list[tuple[dict, str]]]:
         """(prompt, request key) pairs in prompt order, CHUNK at a time."""
@@ -92,46 +114,46 @@ class Job:
         )
 
 
-def resolve(params: Params, dataset: str, keys: Keys | None = None) -> tuple[Spec, Job]:
-    """The dataset's responses resolved once: the spec its key hashes, and the job (`keys`:
-    a caller's Keys of `params`, to share what it has resolved)."""
-    keys = keys or Keys(params)
-    spec = keys.spec("responses", dataset)
-    v = spec.values
+def setup(
+    keys: Keys, spec: Spec[ResponsesSpec], threads: int | None = None, quiet: bool = False
+) -> Job:
+    """The dataset's generation beside its spec: the backend's settings, the store, the
+    prompts (built first), the budgets."""
+    params, dataset, v = keys.params, spec.name, spec.values
     backend = params.generation(dataset)["backend"]
-    kind = v["backend"]["kind"]
+    kind = v.backend["kind"]
     prompts = keys.path("prompts", dataset)
     if not prompts.exists():
         raise EagletError(
             f"{prompts}: prompts of '{dataset}' are not built (run: eaglet prompts {dataset})"
         )
-    if v["max_cost_usd"] and kind != "openai":
+    if v.max_cost_usd and kind != "openai":
         raise EagletError(
             f"{params.path}: datasets.{dataset}.max_cost_usd: backend '{backend}' ({kind}) "
             "reports no cost"
         )
-    identity = {"backend": v["backend"], **({"target": v["target"]} if "target" in v else {})}
-    job = Job(
+    return Job(
         dataset=dataset,
         backend=backend,
         kind=kind,
         engine=params.backend(backend),
         target=keys.target,
         max_length=params.target["max_length"],
-        prompt_limit=v["max_length"],
-        sampling=v["sampling"],
-        keyfn=RequestKeys(identity, v["sampling"]),
+        prompt_limit=v.max_length,
+        sampling=v.sampling,
+        keyfn=RequestKeys({"backend": v.backend, "target": v.target}, v.sampling),
         prompts=prompts,
         store=store_path(params.root),
         out=keys.path("responses", dataset),
-        token_budget=v["token_budget"],
-        max_cost_usd=v["max_cost_usd"],
+        token_budget=v.token_budget,
+        max_cost_usd=v.max_cost_usd,
         overall=params.data["budget"],
         response_key=spec.key,
-        grammar=v["grammar"],
+        grammar=v.grammar,
         max_token_drift=params.generation(dataset)["max_token_drift"],
+        threads=threads,
+        quiet=quiet,
     )
-    return spec, job
 
 
 # ---------------------------------------------------------------------------- dispatch
@@ -513,25 +535,13 @@ def scan(job: Job, store: Store) -> dict:
     return out
 
 
-def build(
-    params: Params,
-    dataset: str,
-    out: Path | None = None,
-    threads: int | None = None,
-    quiet: bool = False,
-) -> Path:
-    """Generate what the store lacks, then write the responses and their sidecar."""
-    spec, j = resolve(params, dataset)
-    return run(spec, j, Path(out) if out else j.out, threads, quiet)
-
-
-def run(spec: Spec, j: Job, out: Path, threads: int | None = None, quiet: bool = False) -> Path:
+def run(spec: Spec[ResponsesSpec], j: Job, out: Path) -> Path:
     """Generate what the store lacks for `j`; write the responses `spec` describes at `out`.
     One generation of a dataset at a time: a second one is refused, naming the first."""
     store = Store(j.store)
     try:
         with store.lock(j.dataset):
-            return _run(spec, j, out, store, threads, quiet)
+            return _run(spec, j, out, store, j.threads, j.quiet)
     except Locked as e:
         raise EagletError(f"responses {e}; wait for it or stop it") from None
     finally:

@@ -11,11 +11,19 @@ The target is run once per sequence (batched by length) and the outputs of the a
 (`eaglet.formats.hidden_store`), built in a partial directory that survives kills and resumes
 shard by shard. Layer conventions: SGLang id i = output of decoder layer i = vLLM id i+1 =
 index i+1 of transformers' `output_hidden_states`, whose last entry (N) is the post-norm state.
+
+Growth computes only what is new: a sample whose states another complete directory of the
+dataset already holds (a sibling of the output whose provenance gives the same states,
+`same_states`, listing the same id, response hash and token count) is read from it, shard by
+shard with its SHA-256 checked, and written exactly as a computed one (`Reuse`); only the rest
+goes through the target, which is not loaded at all when nothing is left. The directory's bytes
+are the same either way; its sidecar counts `reused`, `computed` and the keys `reused_from`.
 """
 
 from __future__ import annotations
 
 import hashlib
+import json
 import sys
 import time
 from collections import Counter
@@ -23,18 +31,55 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from eaglet.engines.lookup import hidden_states
 from eaglet.errors import EagletError
 from eaglet.formats.chat import prompt_ids
-from eaglet.formats.hidden_store import FORMAT, PartialDir, Storage
+from eaglet.formats.hidden_store import FORMAT, MANIFEST, HiddenReader, PartialDir, Storage
 from eaglet.formats.io import dumps, read_jsonl, write_json
+from eaglet.graph.code import Code
 from eaglet.graph.keys import Keys, Spec, sidecar_of
 from eaglet.model.target import TargetSpec, load_config, load_tokenizer
-from eaglet.params import Params
 from eaglet.progress import Progress
+from eaglet.stages.hidden_spec import HiddenSpec
 
 # How each backend gets the final state: the engines give the last layer's output, and eaglet
 # applies the target's final RMSNorm (vLLM); SGLang and the hook read it after the norm.
+# The code that shapes this stage's bytes (eaglet.graph.code): bump the version when they change.
+CODE = Code(
+    version=1,
+    kernel=(
+        "eaglet.stages.hidden:Target",
+        "eaglet.stages.hidden:sequence",
+        "eaglet.stages.hidden:sequences",
+        "eaglet.stages.hidden:plan_shards",
+        "eaglet.stages.hidden:length_batches",
+        "eaglet.stages.hidden:run_samples",
+        "eaglet.stages.hidden:_manifest",
+        "eaglet.stages.hidden:_sample_meta",
+        "eaglet.stages.hidden:Reuse",
+        "eaglet.stages.hidden:same_states",
+        "eaglet.stages.hidden:_without",
+        "eaglet.formats.hidden_store:decode",
+        "eaglet.formats.hidden_store:dequantize_fp8",
+        "eaglet.formats.hidden_store:join_planes",
+        "eaglet.formats.hidden_store:HiddenReader.read",
+        "eaglet.formats.hidden_store:Storage",
+        "eaglet.formats.hidden_store:quantize_fp8",
+        "eaglet.formats.hidden_store:split_planes",
+        "eaglet.formats.hidden_store:encode",
+        "eaglet.formats.hidden_store:write_shard",
+        "eaglet.formats.hidden_store:shard_name",
+        "eaglet.formats.chat",
+        "eaglet.engines.transformers:TransformersHidden",
+        "eaglet.engines.vllm:VLLMHidden",
+        "eaglet.engines.vllm:rms_norm",
+        "eaglet.engines.hidden_connector",
+        "eaglet.stages.hidden_online:write_manifest_only",
+    ),
+)
+
 LAST_STATE = {
     "transformers": "hooked after the final norm",
     "sglang": "returned by the server after the final norm",
@@ -57,17 +102,16 @@ class Setup:
     quiet: bool = False
 
 
-def resolve(
-    params: Params, dataset: str, threads: int | None = None, quiet: bool = False
-) -> tuple[Spec, Setup]:
-    """The dataset's hidden states resolved once: the spec its key hashes, and the setup."""
-    keys = Keys(params)
-    spec = keys.spec("hidden", dataset)
-    compute, engine = spec.values["compute"], dict(params.data["hidden"])
+def setup(
+    keys: Keys, spec: Spec[HiddenSpec], threads: int | None = None, quiet: bool = False
+) -> Setup:
+    """Beside the spec: where things are and the engine's settings."""
+    params, dataset = keys.params, spec.name
+    compute, engine = spec.values.compute, dict(params.data["hidden"])
     if "device" in compute:  # eaglet runs the target: as the key resolved it
         engine |= {"device": compute["device"], "compute_dtype": compute["dtype"]}
     out, responses = keys.path("hidden", dataset), keys.path("responses", dataset)
-    return spec, Setup(out, responses, keys.target, engine, str(params.path), threads, quiet)
+    return Setup(out, responses, keys.target, engine, str(params.path), threads, quiet)
 
 
 class Target:
@@ -90,7 +134,7 @@ class Target:
 
     @classmethod
     def of(cls, spec: Spec, setup: Setup) -> Target:
-        return cls(setup.target, spec.values["target"], spec.values["max_length"])
+        return cls(setup.target, spec.values.target, spec.values.max_length)
 
 
 def sequence(rec: dict, target: Target) -> tuple[dict | None, dict]:
@@ -192,6 +236,120 @@ def run_samples(backend, samples: list[dict], batch_tokens: int) -> list[dict]:
     return out  # type: ignore[return-value]
 
 
+# Provenance fields that change no sample's states: the artifact's key and its inputs' keys (each
+# sample is matched by its response's hash instead), the package's version (the stage's code
+# version is compared), and the shard size (no per-sample byte).
+NOT_PER_SAMPLE = ("key", "upstream", "eaglet_version", "params.storage.shard_mb")
+
+
+def same_states(old_provenance: dict, new_provenance: dict) -> bool:
+    """Whether an artifact of `old_provenance` holds each of its samples' states exactly as one
+    of `new_provenance` computes them: every provenance field equal but NOT_PER_SAMPLE (a field
+    added to provenance later is compared without being named here)."""
+    return _without(old_provenance, NOT_PER_SAMPLE) == _without(new_provenance, NOT_PER_SAMPLE)
+
+
+def _without(provenance: dict, fields: tuple[str, ...]) -> dict:
+    """A copy of `provenance` as its JSON reads back, without the dotted `fields`."""
+    out = json.loads(dumps(provenance))
+    for field in fields:
+        *path, last = field.split(".")
+        node = out
+        for name in path:
+            node = node.get(name) if isinstance(node, dict) else None
+        if isinstance(node, dict):
+            node.pop(last, None)
+    return out
+
+
+class Reuse:
+    """States of `samples` already in other complete hidden-states directories beside `out`
+    (siblings with a sidecar and a manifest, offline, provenance `same_states` as `spec`'s).
+
+    A sample is taken from a source whose manifest lists the same id, response hash and token
+    count, and whose shard reads back with its SHA-256 and the sample's token ids. A source with
+    a damaged shard is dropped at once (one stderr line); its samples not yet read come from
+    another source or are computed. States are read in float32, whose re-encoding in the new
+    storage gives the stored bytes back (FP8 included, see hidden_store.decode)."""
+
+    def __init__(self, spec: Spec, out: Path, samples: list[dict]):
+        self.name = spec.name
+        self.sources: dict[str, HiddenReader] = {}  # key -> reader, while not dropped
+        self.matches: dict[str, set[str]] = {}  # key -> ids it can give
+        self.source_of: dict[str, str] = {}  # sample id -> the key it will be read from
+        self.used: set[str] = set()
+        self.compute_dtype: str | None = None  # the sources' (equal to the backend's)
+        wanted = {s["id"]: s for s in samples}
+        provenance = spec.provenance()
+        for sidecar in sorted(Path(out).parent.glob("*.json")):
+            path = sidecar.with_suffix("")
+            if path.name == Path(out).name or not (path / MANIFEST).is_file():
+                continue
+            try:
+                meta = json.loads(sidecar.read_text(encoding="utf-8"))
+                if not same_states(meta.get("provenance") or {}, provenance):
+                    continue
+                reader = HiddenReader(path)
+                if reader.manifest.get("mode", "offline") != "offline":
+                    continue
+                found = {
+                    m["id"]
+                    for m in reader.manifest["samples"]
+                    if m["id"] in wanted
+                    and m.get("shard")
+                    and m.get("response_sha256") == wanted[m["id"]]["response_sha256"]
+                    and m.get("tokens") == len(wanted[m["id"]]["input_ids"])
+                }
+            except (OSError, ValueError, KeyError, TypeError, AttributeError, EagletError):
+                continue  # not a hidden-states directory this eaglet reads: not a source
+            if found:
+                self.sources[path.name], self.matches[path.name] = reader, found
+        for key in sorted(self.sources, key=lambda k: (-len(self.matches[k]), k)):
+            for sid in self.matches[key]:
+                self.source_of.setdefault(sid, key)
+
+    def take(self, part: list[dict]) -> dict[str, dict]:
+        """The samples of `part` read from a source, by id, as `run_samples` gives them."""
+        got: dict[str, dict] = {}
+        while True:
+            todo: dict[str, dict[str, dict]] = {}
+            for s in part:
+                key = self.source_of.get(s["id"])
+                if key is not None and s["id"] not in got:
+                    todo.setdefault(key, {})[s["id"]] = s
+            if not todo:
+                return got
+            for key, group in todo.items():
+                reader = self.sources[key]
+                try:
+                    for rec in reader.read(group, dtype="float32"):
+                        s = group[rec["id"]]
+                        ours = torch.as_tensor(s["input_ids"]), torch.as_tensor(s["loss_mask"])
+                        if torch.equal(rec["input_ids"], ours[0]) and torch.equal(
+                            rec["loss_mask"], ours[1]
+                        ):
+                            got[s["id"]] = {**s, "aux": rec["aux"], "last": rec["last"]}
+                            self.used.add(key)
+                            self.compute_dtype = reader.manifest.get("compute_dtype")
+                        else:  # other tokens under the same hash: computed, never guessed
+                            del self.source_of[s["id"]]
+                except EagletError as e:
+                    self._drop(key, str(e).split("; rebuild:")[0])
+
+    def _drop(self, key: str, why: str) -> None:
+        print(
+            f"hidden {self.name}: not reusing {key}: {why}; computing its samples", file=sys.stderr
+        )
+        del self.sources[key]
+        for sid, k in list(self.source_of.items()):
+            if k == key:
+                other = next((o for o in self.sources if sid in self.matches[o]), None)
+                if other is None:
+                    del self.source_of[sid]
+                else:
+                    self.source_of[sid] = other
+
+
 def responses(spec: Spec, setup: Setup) -> list[dict]:
     """The upstream response records, or an error naming what is missing."""
     if not setup.responses.exists():
@@ -199,41 +357,27 @@ def responses(spec: Spec, setup: Setup) -> list[dict]:
     return list(read_jsonl(setup.responses))
 
 
-def build(
-    params: Params,
-    dataset: str,
-    out: Path | None = None,
-    threads: int | None = None,
-    quiet: bool = False,
-) -> Path:
-    """Write the dataset's hidden-states directory and its sidecar; return the directory."""
-    spec, setup = resolve(params, dataset, threads, quiet)
-    return run(spec, setup, Path(out) if out else setup.out)
-
-
-def run(spec: Spec, setup: Setup, out: Path) -> Path:
+def run(spec: Spec[HiddenSpec], setup: Setup, out: Path) -> Path:
     """Make the hidden-states directory `out` that `spec` describes; return it."""
     t0 = time.monotonic()
     v = spec.values
     target = Target.of(spec, setup)  # first: a target eaglet cannot read stops here
     load_s = time.monotonic() - t0
     records = responses(spec, setup)
-    ids = v["aux_layer_ids"]
+    ids = v.aux_layer_ids
     samples, stats = sequences(records, target, setup.responses)
     if not samples:
         raise EagletError(f"{setup.responses}: no response gives a training sequence ({stats})")
-    storage = Storage(v["dtype"], v["storage"]["compress"], v["storage"]["fp8"])
+    storage = Storage(v.dtype, v.storage["compress"], v.storage["fp8"])
     n_aux, hidden = len(ids), target.config.hidden_size
-    if v.get("mode", "offline") != "offline":  # the states come from the engine at training
+    if v.mode != "offline":  # the states come from the engine at training
         from eaglet.stages.hidden_online import write_manifest_only
 
-        manifest = _manifest(spec, target, storage, v["compute"].get("dtype"), [], stats)
+        manifest = _manifest(spec, target, storage, v.compute.get("dtype"), [], stats)
         manifest["samples"] = [_sample_meta(s, None) for s in samples]
         write_json(sidecar_of(out), {"provenance": spec.provenance(), "stats": stats})
         return write_manifest_only(out, manifest, samples)
-    plan = plan_shards(
-        samples, storage.token_bytes(n_aux, hidden), v["storage"]["shard_mb"] * 2**20
-    )
+    plan = plan_shards(samples, storage.token_bytes(n_aux, hidden), v.storage["shard_mb"] * 2**20)
     digest = [spec.key, storage.to_dict(), ids]
     digest += [[(samples[i]["id"], samples[i]["response_sha256"]) for i in p] for p in plan]
     rerun = f"rerun: eaglet hidden {spec.name}"
@@ -243,30 +387,62 @@ def run(spec: Spec, setup: Setup, out: Path) -> Path:
             f"hidden {spec.name}: resuming: {len(partial.done)} of {len(plan)} shards complete",
             file=sys.stderr,
         )
-    t_load = time.monotonic()
-    backend = hidden_states(v["compute"]["backend"], setup.engine, target, ids, setup.threads)
-    load_s += time.monotonic() - t_load  # tokenizer and model: once per run
+    todo = [samples[i] for n, shard in enumerate(plan) if n not in partial.done for i in shard]
+    reuse = Reuse(spec, out, todo)
+    if reuse.source_of:
+        n = len(set(reuse.source_of.values()))
+        print(
+            f"hidden {spec.name}: {len(reuse.source_of)} of {len(todo)} samples reused from "
+            f"{n} other key{'s' if n > 1 else ''}",
+            file=sys.stderr,
+        )
+    backend, model_s = None, 0.0
+
+    def load():  # the model: once per run, only if some sample is not reused
+        nonlocal model_s
+        t = time.monotonic()
+        engine = hidden_states(v.compute["backend"], setup.engine, target, ids, setup.threads)
+        model_s += time.monotonic() - t
+        return engine
+
     progress = Progress(f"hidden {spec.name}", len(samples), quiet=setup.quiet, unit="seq")
-    t_run, forward_s = time.monotonic(), 0.0
+    t_run, forward_s, counts = time.monotonic(), 0.0, Counter()
     try:
         for index, shard in enumerate(plan):
             part = [samples[i] for i in shard]
             if index not in partial.done:
-                t = time.monotonic()
-                states = run_samples(backend, part, setup.engine["batch_tokens"])
-                forward_s += time.monotonic() - t
-                partial.write_shard(index, states, storage)
+                states = reuse.take(part)
+                missing = [s for s in part if s["id"] not in states]
+                if missing:
+                    if backend is None:
+                        backend = load()
+                    t = time.monotonic()
+                    computed = run_samples(backend, missing, setup.engine["batch_tokens"])
+                    forward_s += time.monotonic() - t
+                    states.update((s["id"], s) for s in computed)
+                counts["reused"] += len(part) - len(missing)
+                counts["computed"] += len(missing)
+                partial.write_shard(index, [states[s["id"]] for s in part], storage)
+            else:
+                counts["resumed"] += len(part)
             progress.update(len(part), tokens=sum(len(s["input_ids"]) for s in part))
+        if backend is None and reuse.compute_dtype is None:  # every shard resumed
+            backend = load()
+        if backend is not None:
+            compute_dtype = str(backend.dtype).removeprefix("torch.")
+        else:  # every state reused: the sources' backend ran with these very settings
+            compute_dtype = str(reuse.compute_dtype)
     finally:
-        backend.close()
+        if backend is not None:
+            backend.close()
     progress.close()
-    run_s = time.monotonic() - t_run
+    run_s = time.monotonic() - t_run - model_s
+    load_s += model_s  # tokenizer and model: once per run
     partial.verify()  # its folder vanished mid-run: fail before the sidecar, publish nothing
     shards = [partial.done[i] for i in range(len(plan))]
     for entry in shards:
         entry.pop("index")
     stats.update(_disk_stats(shards, stats["tokens"], n_aux, hidden, storage))
-    compute_dtype = str(backend.dtype).removeprefix("torch.")
     manifest = _manifest(spec, target, storage, compute_dtype, shards, stats)
     manifest["samples"] = [
         _sample_meta(samples[i], shards[n]["name"]) for n, shard in enumerate(plan) for i in shard
@@ -278,7 +454,11 @@ def run(spec: Spec, setup: Setup, out: Path) -> Path:
         "elapsed_s": round(time.monotonic() - t0, 3),
         "tokens_per_s": round(stats["tokens"] / max(run_s, 1e-9), 1),
     }
-    write_json(sidecar_of(out), {"provenance": spec.provenance(), "stats": {**stats, **timing}})
+    # how this run got the states: beside the directory, never in it (its bytes are the same)
+    origin = {k: counts[k] for k in ("reused", "computed", "resumed")}
+    origin["reused_from"] = sorted(reuse.used)
+    side = {**stats, **timing, **origin}
+    write_json(sidecar_of(out), {"provenance": spec.provenance(), "stats": side})
     return partial.finish(manifest)
 
 
@@ -287,7 +467,7 @@ def _manifest(
 ) -> dict:
     """The manifest of a hidden-states directory, but its samples."""
     v = spec.values
-    ids, backend, mode = v["aux_layer_ids"], v["compute"]["backend"], v.get("mode", "offline")
+    ids, backend, mode = v.aux_layer_ids, v.compute["backend"], v.mode
     return {
         "format": FORMAT,
         "dataset": spec.name,
@@ -309,7 +489,7 @@ def _manifest(
         },
         "dtype": storage.dtype,
         "compute_dtype": compute_dtype,
-        "storage": {**storage.to_dict(), "shard_mb": v["storage"]["shard_mb"]},
+        "storage": {**storage.to_dict(), "shard_mb": v.storage["shard_mb"]},
         "shards": shards,
         "samples": [],
         "stats": stats,

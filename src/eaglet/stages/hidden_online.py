@@ -54,7 +54,7 @@ from eaglet.formats.hidden_store import (
 from eaglet.formats.io import dumps, write_json
 
 if TYPE_CHECKING:
-    from eaglet.stages.hidden_setup import Setup
+    from eaglet.stages.hidden import Setup
 
 TOKENS = "tokens.safetensors"
 Ref = tuple[int, str]

@@ -11,8 +11,9 @@ import torch
 from eaglet.engines.lookup import hidden_states
 from eaglet.errors import EagletError
 from eaglet.formats.hidden_store import HiddenReader, decode, encode
+from eaglet.graph.keys import resolve_stage
 from eaglet.params import Params
-from eaglet.stages.hidden import Target, resolve, responses, run_samples, sequence
+from eaglet.stages.hidden import Target, responses, run_samples, sequence
 
 # Largest per-token relative error (L2 over a row) that --verify accepts: the storage's own
 # rounding, or the noise of recomputing a sequence alone instead of in a batch, whichever is
@@ -41,7 +42,7 @@ def verify(
     Also checks every shard's SHA-256 and that the tokens and masks follow from the responses.
     Raises EagletError naming what differs; returns a report otherwise.
     """
-    spec, setup = resolve(params, dataset, threads)
+    spec, setup = resolve_stage("hidden", params, dataset, threads=threads)
     path = Path(path) if path else setup.out
     reader = HiddenReader(path, verify=False)
     m = reader.manifest
@@ -64,7 +65,7 @@ def verify(
         else:
             fresh.append(sample)
     ids = m["aux_layer_ids"]["sglang"]
-    backend = hidden_states(spec.values["compute"]["backend"], setup.engine, target, ids, threads)
+    backend = hidden_states(spec.values.compute["backend"], setup.engine, target, ids, threads)
     try:
         fresh = run_samples(backend, fresh, batch_tokens=1)  # each alone: no batch effects
     finally:

@@ -6,13 +6,14 @@ from __future__ import annotations
 import asyncio
 
 from eaglet.formats.store import Store
+from eaglet.graph.keys import resolve_stage
 from eaglet.params import Params
-from eaglet.stages.generate import resolve, scan
+from eaglet.stages.generate import scan
 
 
 def preflight(params: Params, dataset: str) -> dict:
     """What `generate` would do, checked against the backend, without generating anything."""
-    _, j = resolve(params, dataset)
+    _, j = resolve_stage("responses", params, dataset)
     store = Store(j.store)
     try:
         now = scan(j, store)

@@ -18,9 +18,26 @@ from eaglet.formats.grammar import Grammar, grammar, rename_calls
 from eaglet.formats.io import write_json, write_jsonl_zst
 from eaglet.formats.readers import iter_rows
 from eaglet.formats.records import prompt_record
+from eaglet.graph.code import Code
 from eaglet.graph.keys import Keys, Spec, sidecar_of
 from eaglet.model.target import TargetSpec
-from eaglet.params import Params
+from eaglet.stages.prompts_spec import PromptsSpec
+
+# The code that shapes this stage's bytes (eaglet.graph.code): bump the version when they change.
+CODE = Code(
+    version=1,
+    kernel=(
+        "eaglet.stages.prompts:collect",
+        "eaglet.stages.prompts:select",
+        "eaglet.formats.datasets",
+        "eaglet.formats.records",
+        "eaglet.formats.grammar",
+        "eaglet.formats.chat",
+        "eaglet.formats.io:write_jsonl_zst",
+        "eaglet.formats.io:dumps",
+        "eaglet.formats.io:_end_marker",
+    ),
+)
 
 SHOWN_ERRORS = 5
 
@@ -73,38 +90,28 @@ def select(
 
 @dataclass(frozen=True)
 class Setup:
-    """Beside the spec: where the prompts land, the dataset file (its hash is in the spec) and,
-    when prompts are cut by length, where the target's tokenizer is."""
+    """Beside the spec: the dataset file (its hash is in the spec) and, when prompts are cut by
+    length, where the target's tokenizer is."""
 
-    out: Path
     source: Path
     target: TargetSpec | None
 
 
-def resolve(params: Params, dataset: str) -> tuple[Spec, Setup]:
-    keys = Keys(params)
-    spec = keys.spec("prompts", dataset)
-    target = keys.target if spec.values["max_prompt_tokens"] else None
-    source = params.resolve(params.dataset(dataset)["path"])
-    return spec, Setup(keys.path("prompts", dataset), source, target)
+def setup(keys: Keys, spec: Spec[PromptsSpec]) -> Setup:
+    target = keys.target if spec.values.max_prompt_tokens else None
+    return Setup(keys.params.resolve(keys.params.dataset(spec.name)["path"]), target)
 
 
-def build(params: Params, dataset: str, out: Path | None = None) -> Path:
-    """Write the dataset's prompt records and their sidecar; return the artifact path."""
-    spec, setup = resolve(params, dataset)
-    return run(spec, setup, Path(out) if out else setup.out)
-
-
-def run(spec: Spec, setup: Setup, out: Path) -> Path:
+def run(spec: Spec[PromptsSpec], setup: Setup, out: Path) -> Path:
     """Write the prompt records `spec` describes, and their sidecar, at `out`."""
     v, source = spec.values, setup.source
-    records, stats = collect(source, v["format"], spec.name, grammar(v["grammar"]))
+    records, stats = collect(source, v.format, spec.name, grammar(v.grammar))
     for b in stats["bad_examples"]:
         print(f"eaglet: {source}:{b['line']}: skipped: {b['reason']}", file=sys.stderr)
     if stats["bad_rows"] > len(stats["bad_examples"]):
         print(f"eaglet: {source}: {stats['bad_rows']} bad rows in all", file=sys.stderr)
     too_long = None
-    limit = v["max_prompt_tokens"]
+    limit = v.max_prompt_tokens
     if limit:
         from eaglet.formats.chat import prompt_ids
         from eaglet.model.target import load_tokenizer
@@ -114,7 +121,7 @@ def run(spec: Spec, setup: Setup, out: Path) -> Path:
         def too_long(rec: dict) -> bool:
             return len(prompt_ids(tok, rec["messages"], rec.get("tools"))) > limit
 
-    kept, more = select(records, v["seed"], v["max_samples"], too_long)
+    kept, more = select(records, v.seed, v.max_samples, too_long)
     stats.update(more)
     write_json(sidecar_of(out), {"provenance": spec.provenance(), "stats": stats})
     write_jsonl_zst(out, kept)

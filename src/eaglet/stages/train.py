@@ -40,14 +40,45 @@ from eaglet.device import resolve_dtype
 from eaglet.errors import EagletError
 from eaglet.formats.atomic import atomic_path, write_text
 from eaglet.formats.io import write_json
+from eaglet.graph.code import Code
 from eaglet.graph.keys import Keys, Spec, sidecar_of
 from eaglet.model import target_head, train_memory
 from eaglet.model.drafter import Drafter, DrafterConfig, Score, recomputed
 from eaglet.model.target import TargetSpec, load_head, pick_device
 from eaglet.model.target_head import TargetHead, shift
-from eaglet.params import Params
 from eaglet.progress import Progress
 from eaglet.stages import drafter_data, vocab
+from eaglet.stages.train_spec import TrainSpec
+
+# The code that shapes this stage's bytes (eaglet.graph.code): bump the version when they change.
+CODE = Code(
+    version=1,
+    kernel=(
+        "eaglet.stages.train:step_masks",
+        "eaglet.stages.train:at",
+        "eaglet.stages.train:scorer",
+        "eaglet.stages.train:overlong",
+        "eaglet.stages.train:lr_factor",
+        "eaglet.stages.train:Run",
+        "eaglet.stages.train:prepare",
+        "eaglet.stages.train:ttt_batch",
+        "eaglet.stages.train:heldout",
+        "eaglet.stages.train:Steps",
+        "eaglet.stages.train:plan_steps",
+        "eaglet.stages.train:make_trainer",
+        "eaglet.stages.train:train_step",
+        "eaglet.stages.train:fit",
+        "eaglet.stages.train:save",
+        "eaglet.model.drafter",
+        "eaglet.model.target_head",
+        "eaglet.model.arch",
+        "eaglet.stages.drafter_data:is_heldout",
+        "eaglet.stages.drafter_data:split",
+        "eaglet.stages.drafter_data:collate",
+        "eaglet.stages.drafter_data:load",
+        "eaglet.stages.vocab:load",
+    ),
+)
 
 
 def step_masks(loss_mask: Tensor, in_vocab: Tensor, steps: int) -> list[Tensor]:
@@ -558,7 +589,6 @@ def load(folder: str | Path, device: str = "cpu") -> Drafter:
 class Setup:
     """Beside the spec: where things are and how the run is placed; changes no output byte."""
 
-    out: Path
     states: drafter_data.States
     vocab: Path
     target: TargetSpec  # where the frozen embeddings and head are (its identity is in the spec)
@@ -570,11 +600,15 @@ class Setup:
     quiet: bool = False
 
 
-def resolve(params: Params, drafter: str, quiet: bool = False) -> tuple[Spec, Setup]:
-    keys, d = Keys(params), params.drafter(drafter)
+def setup(
+    keys: Keys, spec: Spec[TrainSpec], threads: int | None = None, quiet: bool = False
+) -> Setup:
+    if threads:
+        torch.set_num_threads(threads)
+    params, drafter = keys.params, spec.name
+    d = params.drafter(drafter)
     settings = d["train"]
-    setup = Setup(
-        keys.path("train", drafter),
+    return Setup(
         drafter_data.states(params, drafter),
         keys.path("vocab", drafter),
         keys.target,
@@ -585,27 +619,12 @@ def resolve(params: Params, drafter: str, quiet: bool = False) -> tuple[Spec, Se
         str(params.path),
         quiet,
     )
-    return keys.spec("train", drafter), setup
 
 
-def build(
-    params: Params,
-    drafter: str,
-    out: Path | None = None,
-    threads: int | None = None,
-    quiet: bool = False,
-) -> Path:
-    """Train the drafter on its datasets' hidden states; write the folder and its sidecar."""
-    if threads:
-        torch.set_num_threads(threads)
-    spec, setup = resolve(params, drafter, quiet)
-    return run(spec, setup, Path(out) if out else setup.out)
-
-
-def run(spec: Spec, setup: Setup, out: Path) -> Path:
+def run(spec: Spec[TrainSpec], setup: Setup, out: Path) -> Path:
     """Train the drafter `spec` describes into the folder `out`, with its sidecar."""
     v = spec.values
-    world, processes = int(os.environ.get("WORLD_SIZE", "1")), v["train"]["processes"]
+    world, processes = int(os.environ.get("WORLD_SIZE", "1")), v.train["processes"]
     if world != processes:
         raise EagletError(
             f"{setup.source}: drafters.{spec.name}.train.processes is {processes} but "
@@ -620,10 +639,10 @@ def run(spec: Spec, setup: Setup, out: Path) -> Path:
         draft_vocab_size=len(d2t),
         target_hidden_size=manifest["target"]["hidden_size"],
         aux_layer_ids=tuple(manifest["aux_layer_ids"]["sglang"]),
-        **v["arch"],  # resolved from the target's config and drafters.<d>.arch
+        **v.arch,  # resolved from the target's config and drafters.<d>.arch
     )
     embed, lm_head = load_head(setup.target)
-    hp = v["train"] | {"heldout_fraction": v["heldout_fraction"]}
+    hp = v.train | {"heldout_fraction": v.heldout_fraction}
     if pick_device(setup.device).startswith("cuda"):  # on CPU: host memory, no check
         memory = torch.cuda.get_device_properties(0).total_memory
         check_fits(readers, setup.datasets, cfg, hp, memory)

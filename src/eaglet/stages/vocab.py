@@ -8,7 +8,6 @@ as SGLang and vLLM read them); t2d is a bool mask over the target vocab.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -17,9 +16,20 @@ from safetensors.torch import load_file, save_file
 from eaglet.errors import EagletError
 from eaglet.formats.atomic import atomic_path
 from eaglet.formats.io import write_json
+from eaglet.graph.code import Code
 from eaglet.graph.keys import Keys, Spec, sidecar_of
-from eaglet.params import Params
 from eaglet.stages.drafter_data import States, open_readers, states
+from eaglet.stages.vocab_spec import VocabSpec
+
+# The code that shapes this stage's bytes (eaglet.graph.code): bump the version when they change.
+CODE = Code(
+    version=1,
+    kernel=(
+        "eaglet.stages.vocab:count_tokens",
+        "eaglet.stages.vocab:select",
+        "eaglet.stages.drafter_data:open_readers",
+    ),
+)
 
 
 def count_tokens(readers: list, vocab_size: int) -> torch.Tensor:
@@ -59,30 +69,16 @@ def load(path: str | Path) -> tuple[torch.Tensor, torch.Tensor]:
     return tensors["d2t"], tensors["t2d"]
 
 
-@dataclass(frozen=True)
-class Setup:
-    """Beside the spec: where the vocab lands and where the drafter's states are."""
-
-    out: Path
-    states: States
+def setup(keys: Keys, spec: Spec[VocabSpec]) -> States:
+    """Beside the spec: where the drafter's states are."""
+    return states(keys.params, spec.name)
 
 
-def resolve(params: Params, drafter: str) -> tuple[Spec, Setup]:
-    keys = Keys(params)
-    return keys.spec("vocab", drafter), Setup(keys.path("vocab", drafter), states(params, drafter))
-
-
-def build(params: Params, drafter: str, out: Path | None = None) -> Path:
-    """Count, select and write the draft vocab with its sidecar; return the artifact path."""
-    spec, setup = resolve(params, drafter)
-    return run(spec, setup, Path(out) if out else setup.out)
-
-
-def run(spec: Spec, setup: Setup, out: Path) -> Path:
+def run(spec: Spec[VocabSpec], where: States, out: Path) -> Path:
     """Write the draft vocab `spec` describes, and its sidecar, at `out`."""
-    readers = open_readers(setup.states)
+    readers = open_readers(where)
     vocab_size = readers[0].manifest["target"]["vocab_size"]
-    size = spec.values["draft_vocab_size"]
+    size = spec.values.draft_vocab_size
     counts = count_tokens(readers, vocab_size)
     d2t, t2d = select(counts, size)
     total = int(counts.sum())

@@ -1,0 +1,59 @@
+"""The evaluate stage's spec: what its output's bytes depend on, resolved once from params
+(`spec_of`). Kept apart from the stage's run so that computing keys imports no torch."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from eaglet.device import device_type
+from eaglet.errors import EagletError
+from eaglet.formats.hashing import file_digest
+from eaglet.graph.footprint import in_process, in_process_bytes
+from eaglet.graph.keys import Keys, file_key
+
+
+@dataclass(frozen=True)
+class EvaluateSpec:
+    """What the metrics depend on (and the drafter, its export and the states upstream)."""
+
+    evaluate: dict  # drafters.<d>.evaluate resolved: device type, in_process, suites' digests
+    heldout_fraction: float
+    target: dict
+
+
+def spec_of(keys: Keys, drafter: str) -> tuple[EvaluateSpec, dict]:
+    d = keys.params.drafter(drafter)
+    text, where, _ = keys.target_text_config()
+    evaluate = dict(d["evaluate"], device=device_type(d["evaluate"]["device"]))
+    evaluate["in_process"] = in_process(d["evaluate"], text)
+    if not evaluate["in_process"] and evaluate["engine"] == "none":
+        raise EagletError(
+            f"drafters.{drafter}.evaluate: the target ({where}) does not fit in this machine's "
+            f"memory in {evaluate['dtype']} ({in_process_bytes(text, evaluate['dtype']) / 1e9:.0f}"
+            " GB): set engine: vllm (evaluation on the serving engine), or in_process: true"
+        )
+    if evaluate.pop("engine_url", None):  # where it listens is plumbing, whose engine is not
+        evaluate["engine_operator"] = True
+    if "suites" in evaluate:  # each file's bytes, not where it lies
+        evaluate["suites"] = {
+            name: {
+                "sha256": _suite_digest(keys, s, f"drafters.{drafter}.evaluate.suites.{name}"),
+                "format": s["format"],
+                "prompts": s.get("prompts", evaluate["prompts"]),
+            }
+            for name, s in evaluate["suites"].items()
+        }
+    spec = EvaluateSpec(evaluate, d["heldout_fraction"], keys.target_identity())
+    upstream = {"train": keys.key("train", drafter), "hidden": keys.dataset_keys("hidden", drafter)}
+    if evaluate["engine"] != "none":  # the engine serves the drafter's vLLM export
+        upstream["vllm"] = keys.key("vllm", drafter)
+    return spec, upstream
+
+
+def _suite_digest(keys: Keys, suite: dict, where: str) -> str:
+    """SHA-256 of an evaluation suite's file (HumanEval's: the installed package's)."""
+    from eaglet.formats.datasets import humaneval_path
+
+    if "path" in suite:
+        return file_key(keys.params, suite["path"], where)
+    return file_digest(humaneval_path())
