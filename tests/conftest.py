@@ -31,8 +31,10 @@ def project(tmp_path: Path) -> Path:
 
 
 def tiny_params(**generation) -> dict:
-    """Params for quick runs on the embedded target: two small datasets, short answers."""
+    """Params for quick runs on the embedded target: two small datasets, short answers (cut at
+    8 tokens, so kept: `truncated: keep`)."""
     gen = {"backend": "local", "max_new_tokens": 8, "temperature": 0.0, "seed": 0}
+    gen["truncated"] = "keep"
     gen.update(generation)
     return {
         "target": {"model": "smollm2-135m-instruct"},

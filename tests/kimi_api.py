@@ -33,15 +33,20 @@ class KimiAPI:
         from vllm.tool_parsers.kimi_k2_tool_parser import KimiK2ToolParser
 
         last = next(m["content"] for m in reversed(body["messages"]) if m["role"] == "user")
+        # the mode asked for, as vLLM/SGLang (template argument) or OpenRouter take it
+        thinking = body.get("chat_template_kwargs", {}).get(
+            "thinking", body.get("reasoning", {}).get("enabled", True)
+        )
         stream = self.streams[last]
+        if isinstance(stream, dict):  # the stream the target emits in each mode
+            stream = stream[thinking]
         ids = self.tokenizer(stream, add_special_tokens=False)["input_ids"]
         finished = stream.endswith(END)
         request = ChatCompletionRequest(
             model="kimi", messages=[{"role": "user", "content": "-"}], tools=body.get("tools")
         )
-        reasoning, content = KimiK2ReasoningParser(self.tokenizer).extract_reasoning(
-            stream.removesuffix(END), request
-        )
+        parser = KimiK2ReasoningParser(self.tokenizer, chat_template_kwargs={"thinking": thinking})
+        reasoning, content = parser.extract_reasoning(stream.removesuffix(END), request)
         message: dict[str, Any] = {"role": "assistant", "content": content or ""}
         calls = KimiK2ToolParser(self.tokenizer).extract_tool_calls(content or "", request)
         if calls.tools_called:

@@ -80,7 +80,8 @@ def api_params(url: str, datasets: dict, **backend) -> dict:
     return {
         "target": {"model": SMOLLM2},
         "backends": {"api": cfg},
-        "generation": {"backend": "api", "max_new_tokens": CAP},
+        # the fake model's answers often reach CAP: kept, these tests are about the store
+        "generation": {"backend": "api", "max_new_tokens": CAP, "truncated": "keep"},
         "datasets": datasets,
     }
 
@@ -490,7 +491,7 @@ def test_dry_run_of_a_managed_engine_starts_nothing(tmp_path):
     data = {
         "target": {"model": SMOLLM2},
         "backends": {"engine": {"kind": "vllm"}},
-        "generation": {"backend": "engine", "max_new_tokens": 8},
+        "generation": {"backend": "engine", "max_new_tokens": 8, "truncated": "keep"},
         "datasets": {"a": {"path": "data/raw.jsonl", "format": "sharegpt"}},
     }
     setup(tmp_path, data)
@@ -500,3 +501,86 @@ def test_dry_run_of_a_managed_engine_starts_nothing(tmp_path):
     assert "not started by a dry run, so not checked" in r.stdout + r.stderr
     assert "requests to send: 3" in r.stdout + r.stderr
     assert subprocess.run(["pgrep", "-f", "vllm.entrypoints"]).returncode != 0
+
+
+def test_truncated_answers_are_dropped_by_default_and_counted(tmp_path, server):
+    """Answers cut at max_new_tokens (finish_reason length) are left out of the samples and
+    counted, the first ids named; `truncated: keep` keeps them from the same paid answers (no
+    request sent again), under another key."""
+    fake = server(seed=3)
+    n = 40
+    write_raw(tmp_path, n)
+    data = api_params(fake.url, {"qa": {"path": "data/raw.jsonl", "format": "sharegpt"}})
+    data["generation"].pop("truncated")  # the default
+    params = setup(tmp_path, data)
+    eaglet(tmp_path, "generate", "qa", "--quiet")
+    prompts = list(read_jsonl(Keys(params).path("prompts", "qa")))
+    cut = [
+        p["id"] for p in prompts if openai_answer(p["messages"], CAP)["finish_reason"] == "length"
+    ]
+    assert 0 < len(cut) < n  # the oracle: the fake model's own answers
+    kept = records(params, "qa")
+    assert [r["id"] for r in kept] == [p["id"] for p in prompts if p["id"] not in cut]
+    assert all(r["finish_reason"] == "stop" for r in kept)
+    side = json.loads(Keys(params).sidecar("responses", "qa").read_text())["stats"]
+    assert side["truncated"] == {"dropped": len(cut), "kept": 0, "first": cut[:5]}
+    assert side["responses"] == n - len(cut)
+    paid = sum(len(v) for v in fake.sent.values())
+
+    data["datasets"]["qa"]["truncated"] = "keep"
+    params_keep = setup(tmp_path, data)
+    r = eaglet(tmp_path, "generate", "qa", "--quiet")
+    assert r.stdout.strip() == str(Keys(params_keep).path("responses", "qa"))
+    assert Keys(params_keep).key("responses", "qa") != Keys(params).key("responses", "qa")
+    assert sum(len(v) for v in fake.sent.values()) == paid  # the same answers, from the store
+    assert [r["id"] for r in records(params_keep, "qa")] == [p["id"] for p in prompts]
+    side = json.loads(Keys(params_keep).sidecar("responses", "qa").read_text())["stats"]
+    assert side["truncated"] == {"dropped": 0, "kept": len(cut), "first": cut[:5]}
+    rep = side["regeneration"]
+    assert rep["truncated"] == {"count": len(cut), "first": cut[:5], "what": "kept"}
+    assert rep["turns"]["count"] == n and rep["refused"]["count"] == 0
+    line = next(x for x in eaglet(tmp_path, "status").stdout.splitlines() if "responses" in x)
+    assert f"{len(cut)} truncated kept (first {cut[0]})" in line
+
+
+def test_the_regeneration_report_counts_each_check_and_names_the_first_records():
+    """Records with known defects, one each: the report counts them and names them."""
+    from eaglet.formats.grammar import grammar
+    from eaglet.stages.regeneration import report
+
+    def rec(rid, text="fine", reasoning=None, mode=None, messages=None, calls=None):
+        r = {"id": rid, "response": text, "reasoning": reasoning, "tool_calls": calls}
+        r["messages"] = messages or [{"role": "user", "content": "hi"}]
+        return r | ({"chat_template_kwargs": mode} if mode else {})
+
+    call = {"id": "functions.f:0", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+    asked = {"role": "assistant", "content": "", "tool_calls": [call]}
+    answered = {"role": "tool", "tool_call_id": "functions.f:0", "content": "ok"}
+    records = [
+        rec("ok"),
+        rec("empty", text="  "),
+        rec("calls-only", text="", calls=[call]),  # an answer that is a tool call
+        rec("no-reasoning", mode={"thinking": True}),
+        rec("instant", mode={"thinking": False}),  # no reasoning asked
+        rec("marker", text="done</think> really"),
+        rec("marker-2", reasoning="a <|tool_call_begin|> leak"),
+        rec("open-call", messages=[{"role": "user", "content": "go"}, asked]),
+        rec("closed-call", messages=[{"role": "user", "content": "go"}, asked, answered]),
+    ]
+    stats = {
+        "truncated": {"dropped": 2, "kept": 0, "first": ["t1", "t2"]},
+        "rejected": {"api": 1, "too_long": 0},
+        "first_rejected": {"api": "r1: content policy"},
+        "token_drift": {"drift": 0.01, "worst": {"id": "w1"}},
+    }
+    got = report(records, stats, grammar("kimi_k2"))
+    assert {k: (v.get("count"), v["first"]) for k, v in got.items()} == {
+        "turns": (9, []),
+        "truncated": (2, ["t1", "t2"]),
+        "empty_answer": (1, ["empty"]),
+        "empty_reasoning": (1, ["no-reasoning"]),
+        "leftover_markers": (2, ["marker", "marker-2"]),
+        "calls_unanswered": (1, ["open-call"]),
+        "refused": (1, ["r1"]),
+        "token_drift": (None, ["w1"]),
+    }

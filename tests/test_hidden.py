@@ -253,11 +253,18 @@ def test_killed_run_resumes_from_the_last_complete_shard(built, capsys):
     # the reference's threads: on an AMX CPU one thread and two round differently
     proc = subprocess.Popen([*cmd, "--quiet"], stderr=subprocess.DEVNULL)
     deadline = time.monotonic() + 120
-    while not (journal.exists() and journal.read_text().count("\n") >= 2):
+    beacon = partial / "progress.json"  # written after each shard's journal line
+    while not (journal.exists() and journal.read_text().count("\n") >= 2 and beacon.exists()):
         assert proc.poll() is None and time.monotonic() < deadline
         time.sleep(0.01)
+    running = next(r for r in status.collect(params) if r["stage"] == "hidden")
     os.kill(proc.pid, signal.SIGKILL)
     proc.wait()
+    # while it ran, `eaglet status` read its beacon: samples done of all, tokens/s, ETA
+    beat = running["partial"]["progress"]
+    assert running["state"] == "partial" and "running" in running["next"]
+    assert 0 < beat["done"] <= beat["total"] == 4 and beat["unit"] == "seq" and beat["tok_s"] > 0
+    assert f"{beat['done']}/4 seq" in status._summary(running)
     assert not final.exists()  # a killed build never looks finished
     done = [json.loads(line)["name"] for line in journal.read_text().splitlines()[1:]]
     assert 1 <= len(done) < 4

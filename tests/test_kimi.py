@@ -30,7 +30,7 @@ from eaglet.model.target import (
 )
 from eaglet.params import load
 
-from .conftest import write_params
+from .conftest import ROOT, write_params
 from .kimi_fixture import PREFIX, SPECIAL, TEXT, THINK, VOCAB, WRAPPER, operator_engine, tiny_kimi
 
 TOOLS = [
@@ -199,7 +199,7 @@ def _project(project, kimi, trust: bool) -> list[str]:
     data = {
         "target": {"model": "target", "max_length": 512, "trust_remote_code": trust},
         "backends": {"local": {"kind": "transformers", "dtype": "float32", "threads": 2}},
-        "generation": {"backend": "local", "max_new_tokens": 6},
+        "generation": {"backend": "local", "max_new_tokens": 6, "truncated": "keep"},
         "datasets": {"a1": {"path": "a1.jsonl", "format": "auto"}},
         "hidden": {"compute_dtype": "float32", "dtype": "float32", "threads": 2},
         "drafters": {
@@ -283,9 +283,20 @@ def test_whole_chain_on_the_miniature(kimi, project):
     shutil.copytree(kimi, project / "target")
     ds = {"format": "sharegpt", "path": "data/demo/sharegpt.jsonl", "max_samples": 8}
     data = {
-        "target": {"model": "target", "max_length": 256, "trust_remote_code": True},
+        "target": {
+            "model": "target",
+            "max_length": 256,
+            "trust_remote_code": True,
+            "thinking_switch": "thinking",
+        },
         "backends": {"local": {"kind": "transformers", "dtype": "float32", "threads": 2}},
-        "generation": {"backend": "local", "max_new_tokens": 10},
+        # K2.5 served both ways: half the prompts answered thinking, half instant
+        "generation": {
+            "backend": "local",
+            "max_new_tokens": 10,
+            "truncated": "keep",
+            "thinking": "mix",
+        },
         "datasets": {
             "sg": ds | {"max_length": 96},
             "dolly": {"path": "data/demo/dolly.jsonl", "format": "dolly", "max_samples": 4},
@@ -297,10 +308,17 @@ def test_whole_chain_on_the_miniature(kimi, project):
                 "draft_vocab_size": 64,
                 "heldout_fraction": 0.25,
                 "train": {"ttt_length": 2, "epochs": 1, "batch_size": 2, "lr": 1e-3},
-                "evaluate": {"num_steps": [2], "prompts": 2, "max_new_tokens": 6},
+                "evaluate": {
+                    "num_steps": [2],
+                    "prompts": 2,
+                    "max_new_tokens": 6,
+                    "suites": {"natural": {"path": "natural.jsonl"}},
+                    "modes": ["thinking", "instant"],
+                },
             }
         },
     }
+    shutil.copy(ROOT / "data" / "heldout" / "natural.jsonl", project / "natural.jsonl")
     path = write_params(project, data)
     args = ["--params", str(path)]
     for stage in ("prompts", "generate", "hidden"):
@@ -331,8 +349,15 @@ def test_whole_chain_on_the_miniature(kimi, project):
         report = read_json(sidecar_of(keys.path(fmt, "k")))["stats"]
         assert report["max_abs_diff"] <= 1e-4
     stats = read_json(sidecar_of(keys.path("evaluate", "k")))["stats"]
-    assert stats["suites"]["heldout"]["greedy_equal"]["num_steps_2"] is True
+    # each suite measured in each mode: both greedy-equal to the target alone
+    assert set(stats["suites"]) == {"natural/thinking", "natural/instant"}
+    for suite in stats["suites"].values():
+        assert suite["greedy_equal"]["num_steps_2"] is True
     assert stats["acceptance_length"] >= 1.0
+    answered = read_json(sidecar_of(keys.path("responses", "sg")))["stats"]
+    modes = answered["modes"]
+    assert modes["thinking"] + modes["instant"] == answered["responses"]
+    assert min(modes.values()) > 0  # the mix holds both
 
 
 def test_params_file_of_the_example_trusts_a_pinned_revision():

@@ -93,6 +93,9 @@ def test_defaults_and_overrides(tmp_path):
         "top_k": -1,
         "seed": 0,
         "max_token_drift": 0.02,
+        "thinking": None,
+        "thinking_fraction": 0.5,
+        "truncated": "drop",
     }
     assert p.dataset("a")["format"] == "auto"
     assert p.resolve(p.dataset("a")["path"]) == tmp_path / "in" / "a.jsonl"
@@ -175,7 +178,7 @@ def test_overlay_merges_onto_the_production_file(tmp_path):
     p = load(overlay)
     assert p.path == overlay and p.root == tmp_path  # paths resolve against the overlay
     target = {"model": "smollm2-135m-instruct", "max_length": 512, "trust_remote_code": False}
-    target["grammar"] = "chatml"
+    target |= {"grammar": "chatml", "thinking_switch": "thinking"}  # the example's switch, kept
     assert p.target == target  # null removed the example's revision and trust: the default
     assert "url" not in p.data["hidden"] and p.data["hidden"]["fp8"] is True  # kept
     b2 = p.dataset("B2_opencodeinstruct")

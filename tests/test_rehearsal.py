@@ -97,7 +97,7 @@ def overlay(gen: str, engine: str, spool: Path, base: Path = EXAMPLE) -> str:
             "sglang": {"url": gen, "concurrency": 2, "timeout_s": 60},
             "openrouter": {"base_url": f"{gen}/v1", "concurrency": 2, "timeout_s": 60},
         },
-        "generation": {"max_new_tokens": 8},
+        "generation": {"max_new_tokens": 8, "truncated": "keep"},  # 8 tokens: answers cut
         # the operator's engine here runs fp32 (vLLM's CPU reference MLA kernel)
         "hidden": {
             "url": engine,

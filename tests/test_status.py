@@ -4,13 +4,15 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from eaglet.formats.io import read_jsonl
 from eaglet.graph.keys import Keys, build
 from eaglet.model.target import SMOLLM2, load_tokenizer, resolve
 from eaglet.params import load
 from eaglet.reports import status
 
-from .conftest import write_params
+from .conftest import tiny_params, write_params
 from .fake_llm import FakeLLM
 from .test_generate import KEY, api_params, eaglet, setup, write_raw
 
@@ -164,3 +166,27 @@ def test_gc_removes_other_keys_leftovers_and_caches_but_not_the_current_ones(tmp
     assert current.is_dir() and cache.is_dir()
     assert not old.exists() and not tmp.exists() and not old_cache.exists()
     assert keys.path("responses", "a").exists()
+
+
+def test_a_running_training_shows_its_step_loss_and_eta(project):
+    """The beacon a training run writes in its work folder (Progress, as the stage makes it)
+    is what `eaglet status` shows while Snakemake runs the stage quietly."""
+    from eaglet.progress import BEACON, Progress
+
+    params = load(write_params(project, tiny_params()))
+    path = Keys(params).path("train", "d")
+    work = path.parent / f".{path.name}.work"
+    work.mkdir(parents=True)
+    progress = Progress("train", 40, quiet=True, unit="step", beacon=work / BEACON)
+    progress.done = progress.base = 10  # resumed at step 10: not in the rate
+    progress.note(loss=2.3456)
+    progress.update(5, tokens=5000)
+    row = next(r for r in status.collect(params) if r["stage"] == "train")
+    assert row["state"] == "partial" and row["next"].startswith("running")
+    beat = row["partial"]["progress"]
+    assert (beat["done"], beat["total"], beat["unit"], beat["loss"]) == (15, 40, "step", 2.3456)
+    assert beat["eta_s"] == pytest.approx(25 / beat["rate"])  # 5 steps done here, 25 to go
+    line = status._summary(row)
+    assert line.startswith("15/40 step, ") and "ETA " in line and "loss 2.346" in line
+    progress.close()  # the beacon goes with the run
+    assert not (work / BEACON).exists()

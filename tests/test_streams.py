@@ -189,8 +189,10 @@ def test_api_answers_are_stored_as_the_stream_kimi_emitted(kimi, tok, api, proje
     seen = 0
     for ds in ("a1", "chat"):
         side = read_json(keys.sidecar("responses", ds))["stats"]
-        assert side["token_drift"]["drift"] == 0 and side["token_drift"]["records"] == 2
-        assert side["from_grammar"] == 2 and side["round_trip"].startswith("vllm")
+        kept = 2 if ds == "a1" else 1  # "Tell a tale." was cut at max_new_tokens: dropped
+        assert side["token_drift"]["drift"] == 0 and side["token_drift"]["records"] == kept
+        assert side["from_grammar"] == kept and side["round_trip"].startswith("vllm")
+        assert side["truncated"]["dropped"] == 2 - kept
         reader = HiddenReader(keys.path("hidden", ds))
         for rec in read_jsonl(keys.path("responses", ds)):
             last = next(m["content"] for m in reversed(rec["messages"]) if m["role"] == "user")
@@ -209,7 +211,7 @@ def test_api_answers_are_stored_as_the_stream_kimi_emitted(kimi, tok, api, proje
             assert agrees(got, Answer.of(rec)) is None
             assert got.reasoning and got.reasoning == rec["reasoning"]
             seen += 1
-    assert seen == 4
+    assert seen == 3
     paris = next(
         r
         for r in read_jsonl(keys.path("responses", "a1"))
@@ -341,3 +343,98 @@ def test_token_drift_past_the_threshold_stops_naming_the_record(kimi, tok, api, 
     assert f"worst record {nice['id']}" in err
     assert not keys.path("responses", "a1").exists()
     assert IM_END in ids
+
+
+QUESTIONS = [f"Question {i}?" for i in range(12)]
+BOTH = {  # what the target emits after each question, in each mode
+    q: {True: f"Weighing {q}</think>Answer {i}.<|im_end|>", False: f"Answer {i}.<|im_end|>"}
+    for i, q in enumerate(QUESTIONS)
+}
+
+
+def test_thinking_off_and_a_mix_reach_the_server_and_the_stored_prompts(
+    kimi, tok, project, monkeypatch
+):
+    """Thinking off: each request carries the switch and each stored sample starts from K2.5's
+    thinking-off generation prompt (`<think></think>`). A 0.5 mix: both modes, drawn per
+    prompt from its id and the seed (through OpenRouter's `reasoning.enabled`); the key
+    records the mode and its share."""
+    import random
+
+    monkeypatch.setenv(KEY_ENV, "sk-test")
+    server = KimiAPI(tok, BOTH).start()
+    try:
+        args = _project(project, kimi, server.url)
+        rows = [{"messages": [{"role": "user", "content": q}]} for q in QUESTIONS]
+        (project / "qs.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+        data = load(args[1]).data
+        data["target"]["thinking_switch"] = "thinking"
+        data["backends"]["or"] = dict(data["backends"]["api"], thinking_via="openrouter")
+        data["datasets"] = {
+            "off": {"path": "qs.jsonl", "format": "ultrachat", "thinking": False},
+            "mix": {"path": "qs.jsonl", "format": "ultrachat", "thinking": "mix", "backend": "or"},
+        }
+        data.pop("extends", None)
+        args = ["--params", str(write_params(project, data))]
+        for stage in ("prompts", "generate", "hidden"):
+            for ds in ("off", "mix"):
+                assert main([stage, ds, *args] + (["--quiet"] if stage != "prompts" else [])) == 0
+        keys = Keys(load(args[1]))
+        for ds in ("off", "mix"):
+            reader = HiddenReader(keys.path("hidden", ds))
+            modes = []
+            for rec in read_jsonl(keys.path("responses", ds)):
+                q = rec["messages"][-1]["content"]
+                on = ds == "mix" and random.Random(f"0:{rec['id']}").random() < 0.5
+                assert rec["chat_template_kwargs"] == {"thinking": on}
+                asked = [b for b in server.bodies if b["messages"][-1]["content"] == q]
+                if ds == "off":  # the template argument, as vLLM and SGLang servers take it
+                    [body] = [b for b in asked if "reasoning" not in b]  # one per prompt
+                    assert body["chat_template_kwargs"] == {"thinking": False}
+                elif on:  # OpenRouter's switch
+                    [body] = [b for b in asked if "reasoning" in b]
+                    assert body["reasoning"]["enabled"] is True
+                    assert "chat_template_kwargs" not in body
+                else:  # the same model in the same mode: the "off" answer, from the store
+                    assert not [b for b in asked if "reasoning" in b]
+                prompt = _ids(
+                    tok,
+                    tok.apply_chat_template(
+                        rec["messages"], add_generation_prompt=True, tokenize=False, thinking=on
+                    ),
+                )
+                assert tok.decode(prompt).endswith("<think>" if on else "<think></think>")
+                emitted = _ids(tok, BOTH[q][on])
+                assert rec["output_ids"] == emitted
+                assert reader.get(rec["id"])["input_ids"].tolist() == prompt + emitted
+                modes.append(on)
+            side = read_json(keys.sidecar("responses", ds))["stats"]
+            assert side["modes"] == {"thinking": sum(modes), "instant": len(modes) - sum(modes)}
+            assert side["token_drift"]["drift"] == 0
+        assert 0 < side["modes"]["thinking"] < 12  # the mix holds both modes
+        mix = keys.spec("responses", "mix").values.mode
+        assert mix == {"switch": "thinking", "thinking": "mix", "fraction": 0.5, "seed": 0}
+        data["datasets"]["mix"]["thinking_fraction"] = 0.25
+        other = Keys(load(write_params(project, data)))
+        assert other.key("responses", "mix") != keys.key("responses", "mix")
+        assert other.key("prompts", "mix") == keys.key("prompts", "mix")
+    finally:
+        server.stop()
+
+
+def _mode(body: dict) -> bool:
+    return body.get("chat_template_kwargs", {}).get(
+        "thinking", body.get("reasoning", {}).get("enabled", True)
+    )
+
+
+def test_thinking_without_the_targets_switch_is_one_line(project):
+    from .conftest import tiny_params
+
+    data = tiny_params()
+    data["datasets"]["sg"]["thinking"] = False
+    path = write_params(project, data)
+    with pytest.raises(
+        Exception, match=r"datasets.sg.thinking: False needs target.thinking_switch"
+    ):
+        load(path)

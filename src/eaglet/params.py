@@ -19,7 +19,17 @@ from eaglet.device import device_type, resolve_dtype
 from eaglet.errors import EagletError
 
 SCHEMA_PATH = Path(__file__).with_name("params.schema.yaml")
-GENERATION_KEYS = ("backend", "max_new_tokens", "temperature", "top_p", "top_k", "seed")
+GENERATION_KEYS = (
+    "backend",
+    "max_new_tokens",
+    "temperature",
+    "top_p",
+    "top_k",
+    "seed",
+    "thinking",
+    "thinking_fraction",
+    "truncated",
+)
 # The settings of a backend that change what it returns (not how fast): they enter the keys.
 BACKEND_IDENTITY_KEYS = {
     "transformers": ("kind", "dtype"),
@@ -264,6 +274,13 @@ def _check_datasets(data: dict, path: Path) -> None:
             )
         backend = d.get("backend", default)
         kind = backends[backend]["kind"]
+        thinking = d.get("thinking", data["generation"]["thinking"])
+        if thinking is not None and not data["target"]["thinking_switch"]:
+            raise EagletError(
+                f"{where}.thinking: {thinking} needs target.thinking_switch, the chat template's "
+                "argument that turns thinking on and off (Kimi-K2.5: thinking; Qwen3: "
+                "enable_thinking)"
+            )
         if kind == "openai":
             priced.append(name)
         elif "max_cost_usd" in d:
@@ -282,6 +299,11 @@ def _check_datasets(data: dict, path: Path) -> None:
             "dollar budget cannot stop any (only openai backends do; use budget.token_budget)"
         )
     for name, drafter in data["drafters"].items():
+        if drafter["evaluate"].get("modes") and not data["target"]["thinking_switch"]:
+            raise EagletError(
+                f"{path}: drafters.{name}.evaluate.modes: needs target.thinking_switch, the chat "
+                "template's argument that turns thinking on and off"
+            )
         for suite, cfg in drafter["evaluate"].get("suites", {}).items():
             if "path" in cfg:
                 _check_file(f"{path}: drafters.{name}.evaluate.suites.{suite}", cfg["path"], path)

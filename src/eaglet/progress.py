@@ -1,14 +1,20 @@
 """Honest progress for long stages: count, failures, rate, tokens/s, ETA and dollars.
 
-A rich live bar on a terminal; plain periodic lines on stderr with `--quiet` or without a TTY.
+A rich live bar on a terminal; plain periodic lines on stderr with `--quiet` or without a TTY;
+and, for other processes (`eaglet status` while Snakemake runs the stage quietly), a beacon: the
+numbers as JSON in the build's working folder, rewritten every few seconds, gone when it ends.
 """
 
 from __future__ import annotations
 
+import contextlib
 import sys
 import time
+from pathlib import Path
 
 LOG_EVERY_S = 10.0
+BEACON_EVERY_S = 2.0
+BEACON = "progress.json"  # in a build's working folder (`.<key>.partial/`, `.<key>.work/`)
 
 
 def _duration(seconds: float) -> str:
@@ -23,11 +29,21 @@ class Progress:
 
     `total` may be revised while running (e.g. when a budget will stop the work early)."""
 
-    def __init__(self, label: str, total: int, quiet: bool = False, unit: str = "req"):
+    def __init__(
+        self,
+        label: str,
+        total: int,
+        quiet: bool = False,
+        unit: str = "req",
+        beacon: Path | None = None,
+    ):
         self.label, self.total, self.unit = label, total, unit
         self.done = self.failed = self.tokens = 0
+        self.base = 0  # done before this process started (a resumed build): not in the rate
         self.cost = 0.0
+        self.extra: dict = {}  # what a stage adds to its beacon (training's loss)
         self.start = self._last_log = time.monotonic()
+        self.beacon, self._last_beacon = beacon, float("-inf")
         self._live = None
         if not quiet and sys.stderr.isatty():
             from rich.progress import BarColumn, TextColumn
@@ -53,11 +69,26 @@ class Progress:
         elif now - self._last_log >= LOG_EVERY_S:
             self._last_log = now
             print(f"{self.label}: {self.line()}", file=sys.stderr, flush=True)
+        if self.beacon is not None and now - self._last_beacon >= BEACON_EVERY_S:
+            self._last_beacon = now
+            self._signal()
+
+    def note(self, **fields) -> None:
+        """Numbers of the stage's own for the beacon (e.g. loss=2.31)."""
+        self.extra.update(fields)
+
+    def _signal(self) -> None:
+        from eaglet.formats.io import write_json
+
+        if self.beacon is not None and self.beacon.parent.is_dir():  # its folder: the build's
+            beat = {**self.snapshot(), "unit": self.unit, "label": self.label, **self.extra}
+            with contextlib.suppress(OSError):  # a beacon never stops the work it reports
+                write_json(self.beacon, beat)
 
     def snapshot(self) -> dict:
         """The numbers behind the line, for other processes (`eaglet status`)."""
         elapsed = max(time.monotonic() - self.start, 1e-9)
-        rate = self.done / elapsed
+        rate = (self.done - self.base) / elapsed
         left = max(self.total - self.done, 0)
         return {
             "total": self.total,
@@ -89,6 +120,8 @@ class Progress:
         return "  ".join(parts)
 
     def close(self) -> None:
+        if self.beacon is not None:
+            self.beacon.unlink(missing_ok=True)  # before the folder becomes the artifact
         if self._live is not None:
             self._live.stop()
         print(f"{self.label}: done {self.line()}", file=sys.stderr, flush=True)

@@ -116,7 +116,21 @@ def chat_body(request: dict, model: str, cfg: dict) -> dict:
         if k in cfg:
             body[k] = cfg[k]
     body.update(cfg.get("extra_body", {}))
+    if request.get("mode"):  # thinking on or off, as this server takes the switch
+        body.update(thinking_switch(request["mode"], cfg.get("thinking_via"), body))
     return body
+
+
+def thinking_switch(mode: dict, via: str | None, body: dict) -> dict:
+    """The request fields that ask for `mode` (`{"thinking": False}`, the template's argument):
+    the template argument itself for vLLM and SGLang servers, OpenRouter's `reasoning.enabled`,
+    Moonshot's `thinking.type`."""
+    [on] = mode.values()
+    if via == "openrouter":
+        return {"reasoning": {**body.get("reasoning", {}), "enabled": on}}
+    if via == "moonshot":
+        return {"thinking": {"type": "enabled" if on else "disabled"}}
+    return {"chat_template_kwargs": {**body.get("chat_template_kwargs", {}), **mode}}
 
 
 def _sent(message: dict, field: str) -> dict:

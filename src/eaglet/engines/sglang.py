@@ -62,7 +62,9 @@ class SGLangBackend:
         }
         if s["temperature"] > 0:
             sp["sampling_seed"] = s["seed"]
-        ids = prompt_ids(self.tokenizer, request["messages"], request.get("tools"))
+        ids = prompt_ids(
+            self.tokenizer, request["messages"], request.get("tools"), request.get("mode")
+        )
         return {"input_ids": ids, "sampling_params": sp}
 
     async def generate(self, batch: list[dict]) -> list[dict]:

@@ -55,7 +55,7 @@ class TransformersBackend:
 
     def plan(self, requests: list[dict]) -> list[list[dict]]:
         for r in requests:
-            r["_ids"] = prompt_ids(self.tokenizer, r["messages"], r.get("tools"))
+            r["_ids"] = prompt_ids(self.tokenizer, r["messages"], r.get("tools"), r.get("mode"))
         ordered = sorted(requests, key=lambda r: len(r["_ids"]))
         size = self.batch_size
         return [ordered[i : i + size] for i in range(0, len(ordered), size)]

@@ -510,7 +510,9 @@ class VLLMBackend:
         s = request["sampling"]
         body: dict[str, Any] = {
             "model": self.model,
-            "prompt": prompt_ids(self.tokenizer, request["messages"], request.get("tools")),
+            "prompt": prompt_ids(
+                self.tokenizer, request["messages"], request.get("tools"), request.get("mode")
+            ),
             "max_tokens": s["max_new_tokens"],
             "temperature": s["temperature"],
             "top_p": s["top_p"],

@@ -6,19 +6,26 @@ from typing import Any
 
 
 def render(
-    tokenizer: Any, messages: list[dict], tools: list[dict] | None = None, prompt: bool = False
+    tokenizer: Any,
+    messages: list[dict],
+    tools: list[dict] | None = None,
+    prompt: bool = False,
+    mode: dict | None = None,
 ) -> str:
     """The conversation as the target's own template (and tokenizer class) writes it, with the
-    row's tool declarations; `prompt`: ending with the generation prompt."""
+    row's tool declarations; `prompt`: ending with the generation prompt; `mode`: the template
+    arguments of the mode it is served in (`{"thinking": False}`), as `chat_template_kwargs`."""
     kw: dict[str, Any] = {"tools": tools} if tools else {}
     return tokenizer.apply_chat_template(
-        messages, add_generation_prompt=prompt, tokenize=False, **kw
+        messages, add_generation_prompt=prompt, tokenize=False, **kw, **(mode or {})
     )
 
 
-def prompt_ids(tokenizer: Any, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
+def prompt_ids(
+    tokenizer: Any, messages: list[dict], tools: list[dict] | None = None, mode: dict | None = None
+) -> list[int]:
     """Token ids of the prompt rendered with the generation prompt, as the target sees it."""
-    text = render(tokenizer, messages, tools, prompt=True)
+    text = render(tokenizer, messages, tools, prompt=True, mode=mode)
     return tokenizer(text, add_special_tokens=False)["input_ids"]
 
 

@@ -77,8 +77,13 @@ class RequestKeys:
         self.prefix = dumps({"identity": identity, "sampling": sampling})
         self.backend = hashlib.sha256(dumps(identity).encode()).hexdigest()[:16]
 
-    def __call__(self, messages: list[dict]) -> str:
-        return hashlib.sha256(f"{self.prefix}\0{dumps(messages)}".encode()).hexdigest()
+    def __call__(self, messages: list[dict], mode: dict | None = None) -> str:
+        """`mode`: the template arguments of the mode asked for; the template's default (None)
+        keys as before modes existed, so answers stored then are found again."""
+        text = f"{self.prefix}\0{dumps(messages)}"
+        if mode:
+            text += f"\0{dumps(mode)}"
+        return hashlib.sha256(text.encode()).hexdigest()
 
 
 def _when_unlocked(statement) -> None:

@@ -115,7 +115,8 @@ class Writer:
         """The tokens of a text answer (a record without the engine's ids), written in the
         target's grammar and read back; raises EagletError naming what is wrong."""
         self.written += 1
-        prompt = render(self.tokenizer, rec["messages"], rec.get("tools"), prompt=True)
+        mode = rec.get("chat_template_kwargs")
+        prompt = render(self.tokenizer, rec["messages"], rec.get("tools"), prompt=True, mode=mode)
         answer = Answer.of(rec)
         try:
             text = self.grammar.write(prompt, answer)

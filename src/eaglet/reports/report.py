@@ -132,7 +132,26 @@ def _data(keys: Keys, drafter: str) -> str:
             ]
         )
     header = ["dataset", "prompts", "responses", "completion tokens", "samples", "tokens"]
-    return "<h2>Data</h2>" + _table(header, rows)
+    return "<h2>Data</h2>" + _table(header, rows) + _regeneration(keys, drafter)
+
+
+def _regeneration(keys: Keys, drafter: str) -> str:
+    """Each dataset's regeneration checks: a count and the first record ids."""
+    rows = []
+    for ds in keys.params.drafter(drafter)["datasets"]:
+        side = keys.sidecar("responses", ds)
+        rep = (read_json(side).get("stats", {}) if side.exists() else {}).get("regeneration")
+        for name, check in (rep or {}).items():
+            value = f"{check['drift']:.2%}" if name == "token_drift" else check["count"]
+            what = f" ({check['what']})" if "what" in check else ""
+            first = ", ".join(check["first"])
+            rows.append(
+                [_cell(ds), _cell(name.replace("_", " ") + what), _cell(value), _cell(first)]
+            )
+    if not rows:
+        return ""
+    header = ["dataset", "check", "count", "first records"]
+    return "<h2>Regenerated answers</h2>" + _table(header, rows)
 
 
 def _image(folder: Path, name: str, title: str) -> str:

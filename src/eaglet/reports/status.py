@@ -20,6 +20,8 @@ from eaglet.formats.io import read_json
 from eaglet.formats.store import Store, store_path
 from eaglet.graph.keys import STAGES, Keys
 from eaglet.params import Params
+from eaglet.progress import BEACON
+from eaglet.stages import regeneration
 
 RUN_FRESH_S = 60.0  # a heartbeat older than this is not a run in progress
 
@@ -78,14 +80,27 @@ COMMANDS = {
 
 
 def _partial(path, stage: str) -> dict | None:
-    """How far an unfinished build of `path` got: hidden shards journaled, training's step."""
+    """How far an unfinished build of `path` got: hidden shards journaled, training's step, and
+    the running build's beacon (done, rate, tokens/s, ETA; training's loss)."""
+    folder = path.parent / f".{path.name}.{'partial' if stage == 'hidden' else 'work'}"
+    beat = None
+    with contextlib.suppress(ValueError, OSError):
+        beacon = folder / BEACON
+        beat = {**json.loads(beacon.read_text()), "updated": beacon.stat().st_mtime}
+    found = _journaled(path, stage, folder)
+    if beat is None:
+        return found
+    return {**(found or {}), "progress": beat, "updated": beat["updated"]}
+
+
+def _journaled(path, stage: str, folder) -> dict | None:
     if stage == "hidden":
-        journal = path.parent / f".{path.name}.partial" / "journal.jsonl"
+        journal = folder / "journal.jsonl"
         if journal.is_file():
             lines = [x for x in journal.read_text(errors="replace").splitlines() if x.strip()]
             return {"shards": max(0, len(lines) - 1), "updated": journal.stat().st_mtime}
     if stage == "train":
-        work = path.parent / f".{path.name}.work"
+        work = folder
         info = work / "checkpoint.json"
         if info.is_file():
             with contextlib.suppress(ValueError, OSError):
@@ -171,6 +186,12 @@ def _summary(row: dict) -> str:
         done = f"{p['shards']} shards built" if "shards" in p else ""
         if "step" in p:
             done = f"checkpoint at step {p['step']}" + (f"/{p['total']}" if "total" in p else "")
+        if b := p.get("progress"):
+            done = (
+                f"{b['done']}/{b['total']} {b['unit']}, {b['tok_s']:,.0f} tok/s, ETA "
+                + (_duration(b["eta_s"]) + (f", loss {b['loss']:.3f}" if b.get("loss") else ""))
+                + (f"; {done}" if done else "")
+            )
         return f"{done or 'started'}; {row['next']}"
     if row["state"] == "damaged":
         return f"{row['damage']}; {row['next']}"
@@ -193,6 +214,8 @@ def _summary(row: dict) -> str:
             text += f" (worst {drift['worst']['id']})" if drift["worst"] else ""
         if st.get("from_grammar"):
             text += f", {st['from_grammar']} written in the target's grammar"
+        checks = regeneration.summary(st.get("regeneration", {}))
+        text += f"; {checks}" if checks else ""
         run = g["run"]
         if run and run["state"] == "interrupted" and g["done"] < g["prompts"]:
             text += f"; interrupted at {run.get('done', '?')}/{run.get('total', '?')}"

@@ -347,7 +347,8 @@ def measure_suites(
     else:
         stop = set(target_stop_ids(tokenizer, materialize(setup.target)))
     own_split = [] if setup.suites else heldout_prompts(readers, held, cfg["prompts"])
-    prompts = suites.prompts(setup.suites, spec.name, readers, tokenizer, own_split)
+    modes = suites.modes(cfg.get("thinking_switch"), cfg.get("modes"))
+    prompts = suites.prompts(setup.suites, spec.name, readers, tokenizer, own_split, modes)
     for name, p in prompts.items():
         if not p:
             raise EagletError(f"drafters.{spec.name}: suite {name}: no prompts to decode")
@@ -366,7 +367,10 @@ def measure_suites(
             )
             for t in (cfg["temperatures"] if target else [])
         }
-        out[name] = {"prompts": len(p), "source": sources[name], "eaglet": own}
+        suite, _, mode = name.partition("/")
+        out[name] = {"prompts": len(p), "source": sources[suite], "eaglet": own}
+        if mode:
+            out[name]["mode"] = mode
         if e:
             out[name]["vllm_greedy_tokens_per_s"] = e.pop("greedy_tokens_per_s")
             out[name]["vllm"] = e

@@ -32,6 +32,8 @@ def spec_of(keys: Keys, drafter: str) -> tuple[EvaluateSpec, dict]:
             f"memory in {evaluate['dtype']} ({in_process_bytes(text, evaluate['dtype']) / 1e9:.0f}"
             " GB): set engine: vllm (evaluation on the serving engine), or in_process: true"
         )
+    if evaluate.get("modes"):  # the template argument each mode's prompts are rendered with
+        evaluate["thinking_switch"] = keys.params.target["thinking_switch"]
     if evaluate.pop("engine_url", None):  # where it listens is plumbing, whose engine is not
         evaluate["engine_operator"] = True
     if "suites" in evaluate:  # each file's bytes, not where it lies

@@ -31,7 +31,7 @@ from typing import Any
 from eaglet.errors import EagletError
 from eaglet.formats.datasets import BadRow, prompt_of, to_messages, tool_call
 from eaglet.formats.grammar import grammar, rename_calls
-from eaglet.formats.io import read_jsonl
+from eaglet.formats.io import dumps, read_jsonl
 from eaglet.formats.readers import iter_rows
 from eaglet.formats.records import response_record
 from eaglet.formats.store import Store
@@ -169,7 +169,8 @@ def import_file(params: Params, dataset: str, path: Path) -> dict:
     g = grammar(j.grammar)
     records = {p["id"]: p for p in read_jsonl(j.prompts)}
     prompts = {pid: p["messages"] for pid, p in records.items()}
-    of_dataset = {j.keyfn(p["messages"]): p for p in records.values()}
+    of_dataset = {j.key(p): p for p in records.values()}
+    by_messages = {dumps(p["messages"]): p for p in records.values()}
     streams = Streams(j)
     tokenizer: list[Any] = []
 
@@ -193,9 +194,12 @@ def import_file(params: Params, dataset: str, path: Path) -> dict:
                     prompt = rename_calls(prompt, g)
                 except BadRow as e:
                     raise EagletError(f"{path}:{line}: {e}") from None
-                key = j.keyfn(prompt)
+                known = by_messages.get(dumps(prompt))  # a prompt of the dataset: in its mode
+                key = j.key(known) if known else j.keyfn(prompt)
                 if key in of_dataset:  # the stream it will be stored as: checked, counted
                     rec = response_record(of_dataset[key], dict(result), "import", {})
+                    if j.mode is not None:
+                        rec["chat_template_kwargs"] = j.mode_of(known)
                     try:
                         streams.add(rec)
                     except EagletError as e:

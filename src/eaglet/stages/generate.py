@@ -44,11 +44,12 @@ from eaglet.graph.code import Code
 from eaglet.graph.keys import Keys, Spec, sidecar_of
 from eaglet.model.target import TargetSpec, load_tokenizer
 from eaglet.progress import Progress
-from eaglet.stages.generate_spec import ResponsesSpec
+from eaglet.stages import regeneration
+from eaglet.stages.generate_spec import ResponsesSpec, sample_mode
 
 # The code that shapes this stage's bytes (eaglet.graph.code): bump the version when they change.
 CODE = Code(
-    version=1,
+    version=2,
     kernel=(
         "eaglet.stages.generate:rejected",
         "eaglet.stages.generate:plan_output",
@@ -92,14 +93,24 @@ class Job:
     response_key: str
     grammar: str  # the target's output grammar: text answers -> its tokens
     max_token_drift: float
+    mode: dict | None = None  # the spec's thinking mode (sample_mode gives each prompt's)
+    truncated: str = "drop"  # drop or keep the answers cut at max_new_tokens
     threads: int | None = None
     quiet: bool = False
+
+    def mode_of(self, prompt: dict) -> dict | None:
+        """The template arguments `prompt` is answered with, or None (the template's default)."""
+        return sample_mode(self.mode, prompt["id"])
+
+    def key(self, prompt: dict) -> str:
+        """The prompt's request key in the store: its messages in its mode."""
+        return self.keyfn(prompt["messages"], self.mode_of(prompt))
 
     def chunks(self) -> Iterator[list[tuple[dict, str]]]:
         """(prompt, request key) pairs in prompt order, CHUNK at a time."""
         it = read_jsonl(self.prompts)
         while chunk := list(itertools.islice(it, CHUNK)):
-            yield [(p, self.keyfn(p["messages"])) for p in chunk]
+            yield [(p, self.key(p)) for p in chunk]
 
     def count(self) -> int:
         side = sidecar_of(self.prompts)
@@ -151,6 +162,8 @@ def setup(
         response_key=spec.key,
         grammar=v.grammar,
         max_token_drift=params.generation(dataset)["max_token_drift"],
+        mode=v.mode,
+        truncated=v.truncated,
         threads=threads,
         quiet=quiet,
     )
@@ -277,6 +290,7 @@ class Dispatch:
                         "messages": prompt["messages"],
                         "tools": prompt.get("tools"),
                         "sampling": self.job.sampling,
+                        "mode": self.job.mode_of(prompt),
                     }
                 )
                 if len(window) >= self.backend.window:
@@ -288,7 +302,8 @@ class Dispatch:
         sent: recorded as rejected (too_long) with its length, and counted."""
         if self._tokenizer is None:
             self._tokenizer = load_tokenizer(self.job.target)
-        n = len(prompt_ids(self._tokenizer, prompt["messages"], prompt.get("tools")))
+        mode = self.job.mode_of(prompt)
+        n = len(prompt_ids(self._tokenizer, prompt["messages"], prompt.get("tools"), mode))
         limit = self.job.prompt_limit
         if n < limit:
             return False
@@ -387,6 +402,12 @@ def rejected(row: dict | None, limit: int) -> bool:
     return info["kind"] != "too_long" or (info["prompt_tokens"] or 0) >= limit
 
 
+def dropped(job: Job, row: dict) -> bool:
+    """An answer cut at max_new_tokens, left out of the samples (`truncated: drop`): trained on,
+    it would teach the drafter an ending the target never wrote."""
+    return job.truncated == "drop" and row["result"]["finish_reason"] == "length"
+
+
 def plan_output(job: Job, store: Store) -> dict:
     """Which prefix of the prompt order the output holds, and its stats, from the store alone.
 
@@ -395,7 +416,8 @@ def plan_output(job: Job, store: Store) -> dict:
     excluded: Counter = Counter()
     first_rejection: dict[str, str] = {}
     finish: Counter = Counter()
-    cost = 0.0
+    cost, spent = 0.0, 0  # what the prefix cost, dropped answers included
+    truncated = {"dropped": 0, "kept": 0, "first": []}
     stopped_by = None
     failed, missing, first_error = 0, 0, None
     for chunk in job.chunks():
@@ -415,7 +437,7 @@ def plan_output(job: Job, store: Store) -> dict:
                     first_error = first_error or f"{prompt['id']}: {row['error']}"
                 continue
             t, c = row["completion_tokens"], row["cost"]
-            if job.token_budget is not None and st["completion_tokens"] + t > job.token_budget:
+            if job.token_budget is not None and spent + t > job.token_budget:
                 stopped_by = "token_budget"
             elif job.max_cost_usd is not None and cost + (c or 0.0) > job.max_cost_usd:
                 stopped_by = "max_cost_usd"
@@ -423,13 +445,20 @@ def plan_output(job: Job, store: Store) -> dict:
                 break
             if failed or missing:
                 continue  # the prefix is already broken: only count what is lacking
+            spent += t
+            if c is not None:
+                cost += c
+                st["cost"] = cost
+            if row["result"]["finish_reason"] == "length":
+                truncated["kept" if job.truncated == "keep" else "dropped"] += 1
+                if len(truncated["first"]) < 5:
+                    truncated["first"].append(prompt["id"])
+            if dropped(job, row):
+                continue
             st["responses"] += 1
             st["completion_tokens"] += t
             st["prompt_tokens"] += row["result"]["prompt_tokens"] or 0
             finish[row["result"]["finish_reason"]] += 1
-            if c is not None:
-                cost += c
-                st["cost"] = cost
         if stopped_by:
             break
     if failed or missing:
@@ -442,7 +471,7 @@ def plan_output(job: Job, store: Store) -> dict:
             f"responses {job.dataset}: prompts without an answer: {'; '.join(what)}; "
             "rerun `eaglet generate` to retry them"
         )
-    out = {**st, "finish_reasons": dict(finish), "stopped_by": stopped_by}
+    out = {**st, "finish_reasons": dict(finish), "stopped_by": stopped_by, "truncated": truncated}
     out["rejected"] = {"api": excluded["api"], "too_long": excluded["too_long"]}
     out["first_rejected"] = first_rejection
     return out
@@ -458,11 +487,14 @@ def output_records(job: Job, store: Store, n: int) -> Iterator[dict]:
             if not left:
                 return
             row = rows[key]
-            if rejected(row, job.prompt_limit):
+            if rejected(row, job.prompt_limit) or dropped(job, row):
                 continue
             result = dict(row["result"], attempts=row["attempts"])
             result.setdefault("server_completion_tokens", result["completion_tokens"])
-            yield response_record(prompt, result, job.backend, job.sampling)
+            rec = response_record(prompt, result, job.backend, job.sampling)
+            if job.mode is not None:  # the template arguments its prompt is rendered with
+                rec["chat_template_kwargs"] = job.mode_of(prompt)
+            yield rec
             left -= 1
 
 
@@ -505,6 +537,10 @@ def write_output(job: Job, store: Store, out: Path, prov: dict, extra: dict) -> 
     records = [st.add(r) for r in output_records(job, store, stats["responses"])]
     st.check()
     stats |= st.stats()
+    if job.mode is not None:  # how many answers each mode has
+        on = sum(next(iter(r["chat_template_kwargs"].values())) for r in records)
+        stats["modes"] = {"thinking": on, "instant": len(records) - on}
+    stats["regeneration"] = regeneration.report(records, stats, st.grammar)
     stats["completion_tokens"] = sum(r["completion_tokens"] for r in records)
     write_json(sidecar_of(out), {"provenance": prov, "stats": stats})
     write_jsonl_zst(out, records)

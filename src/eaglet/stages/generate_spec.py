@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import random
 from dataclasses import dataclass
 
 from eaglet.graph.keys import Keys
@@ -19,12 +20,21 @@ class ResponsesSpec:
     grammar: str  # writes the text answers as the target's tokens
     max_length: int  # longer prompts are left out
     target: dict  # generates, or tokenizes the answers of an API
+    mode: dict | None  # thinking on, off or a seeded mix (None: the template's default)
+    truncated: str  # drop or keep the answers cut at max_new_tokens
 
 
 def spec_of(keys: Keys, dataset: str) -> tuple[ResponsesSpec, dict]:
     p = keys.params
     sampling = p.generation(dataset)
     sampling.pop("max_token_drift")  # a check: stops or passes, changes no byte
+    thinking, fraction = sampling.pop("thinking"), sampling.pop("thinking_fraction")
+    truncated = sampling.pop("truncated")  # what is kept of the answers, not how they are asked
+    mode = None
+    if thinking is not None:
+        mode = {"switch": p.target["thinking_switch"], "thinking": thinking}
+        if thinking == "mix":
+            mode |= {"fraction": fraction, "seed": sampling["seed"]}
     d = p.dataset(dataset)
     spec = ResponsesSpec(
         backend=p.backend_identity(sampling.pop("backend")),
@@ -34,5 +44,19 @@ def spec_of(keys: Keys, dataset: str) -> tuple[ResponsesSpec, dict]:
         grammar=p.target["grammar"],
         max_length=p.max_length(dataset),
         target=keys.target_identity(),
+        mode=mode,
+        truncated=truncated,
     )
     return spec, {"prompts": keys.key("prompts", dataset)}
+
+
+def sample_mode(mode: dict | None, prompt_id: str) -> dict | None:
+    """The template arguments one prompt is answered with (`{"thinking": False}`), or None for
+    the template's default. A mix draws per prompt from its id and the seed, so a prompt keeps
+    its mode whatever the order, the count or the machine."""
+    if mode is None:
+        return None
+    on = mode["thinking"]
+    if on == "mix":
+        on = random.Random(f"{mode['seed']}:{prompt_id}").random() < mode["fraction"]
+    return {mode["switch"]: bool(on)}

@@ -41,7 +41,7 @@ from eaglet.formats.io import dumps, read_jsonl, write_json
 from eaglet.graph.code import Code
 from eaglet.graph.keys import Keys, Spec, sidecar_of
 from eaglet.model.target import TargetSpec, load_config, load_tokenizer
-from eaglet.progress import Progress
+from eaglet.progress import BEACON, Progress
 from eaglet.stages.hidden_spec import HiddenSpec
 
 # How each backend gets the final state: the engines give the last layer's output, and eaglet
@@ -145,7 +145,8 @@ def sequence(rec: dict, target: Target) -> tuple[dict | None, dict]:
             "streams (rerun: eaglet generate; the store keeps every answer)"
         )
     info: dict[str, Any] = {"source": "output_ids"}
-    prompt = prompt_ids(target.tokenizer, rec["messages"], rec.get("tools"))
+    mode = rec.get("chat_template_kwargs")
+    prompt = prompt_ids(target.tokenizer, rec["messages"], rec.get("tools"), mode)
     turn = list(rec["output_ids"])
     bad = [t for t in turn if not 0 <= t < target.vocab_rows]
     if bad:
@@ -405,7 +406,8 @@ def run(spec: Spec[HiddenSpec], setup: Setup, out: Path) -> Path:
         model_s += time.monotonic() - t
         return engine
 
-    progress = Progress(f"hidden {spec.name}", len(samples), quiet=setup.quiet, unit="seq")
+    beacon = partial.path / BEACON
+    progress = Progress(f"hidden {spec.name}", len(samples), setup.quiet, "seq", beacon)
     t_run, forward_s, counts = time.monotonic(), 0.0, Counter()
     try:
         for index, shard in enumerate(plan):

@@ -66,11 +66,23 @@ def configured(params: Params, drafter: str) -> tuple[Suite, ...]:
     return tuple(out)
 
 
+def modes(switch: str | None, names: list[str] | None) -> list[tuple[str, dict]]:
+    """(name, template arguments) of each mode a suite is measured in; none: one, the
+    template's default."""
+    return [(m, {switch: m == "thinking"}) for m in names or []]
+
+
 def prompts(
-    suites: tuple[Suite, ...], drafter: str, readers: list, tokenizer: Any, heldout: list
+    suites: tuple[Suite, ...],
+    drafter: str,
+    readers: list,
+    tokenizer: Any,
+    heldout: list,
+    modes: list[tuple[str, dict]] | None = None,
 ) -> dict[str, list[list[int]]]:
     """{suite: prompt ids as the target sees them}, in params order; `heldout` (the drafter's own
-    split) is the suite when none is configured."""
+    split) is the suite when none is configured. With `modes`, each suite once per mode, named
+    `<suite>/<mode>`, its prompts rendered with that mode's generation prompt."""
     if not suites:
         return {OWN_SPLIT: heldout}
     seen = {sid for r in readers for sid in r.ids}
@@ -86,7 +98,9 @@ def prompts(
                     f"{suite.path}:{rec['source']['line']}: also a prompt of the drafter's "
                     f"datasets (drafters.{drafter}.datasets), so not held out (suite {suite.name})"
                 )
-        out[suite.name] = [
-            prompt_ids(tokenizer, r["messages"], r.get("tools")) for r in records[: suite.prompts]
-        ]
+        for name, mode in modes or [(None, None)]:
+            out[f"{suite.name}/{name}" if name else suite.name] = [
+                prompt_ids(tokenizer, r["messages"], r.get("tools"), mode)
+                for r in records[: suite.prompts]
+            ]
     return out

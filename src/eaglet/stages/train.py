@@ -46,7 +46,7 @@ from eaglet.model import target_head, train_memory
 from eaglet.model.drafter import Drafter, DrafterConfig, Score, recomputed
 from eaglet.model.target import TargetSpec, load_head, pick_device
 from eaglet.model.target_head import TargetHead, shift
-from eaglet.progress import Progress
+from eaglet.progress import BEACON, Progress
 from eaglet.stages import drafter_data, vocab
 from eaglet.stages.train_spec import TrainSpec
 
@@ -508,13 +508,18 @@ def fit(
     start = resume(ckpt, t, hp, run)
 
     drafter_data.expect(readers, steps.reads(start))
-    progress = Progress("train", steps.total, quiet=quiet or run.rank != 0, unit="step")
-    progress.done = start
+    beacon = None
+    if run.rank == 0:  # the beacon of a run on its way, for `eaglet status`
+        work.mkdir(parents=True, exist_ok=True)
+        beacon = work / BEACON
+    progress = Progress("train", steps.total, quiet or run.rank != 0, "step", beacon)
+    progress.done = progress.base = start
     t0 = time.monotonic()
     for step in range(start, steps.total):
         epoch = step // steps.per_epoch
         row, tokens = train_step(t, readers, steps.mine(step), hp, run, step)
         t.rows.append({"step": step + 1, "epoch": epoch} | row)
+        progress.note(loss=row.get("loss"), epoch=epoch)
         progress.update(1, tokens=tokens)
         if steps.epoch_end(step) and steps.held and run.rank == 0:
             h = heldout(t.model, readers, steps.held, hp, t.head, run)
