@@ -62,16 +62,36 @@ def command_errors(text: str, where: str) -> list[str]:
     return errors
 
 
+def anchors(text: str) -> set[str]:
+    """The anchors GitHub gives a page's headings: lowercased, punctuation dropped, spaces as
+    hyphens; a repeated heading gets -1, -2, ..."""
+    seen: dict[str, int] = {}
+    out = set()
+    for line in text.splitlines():
+        m = re.match(r"#{1,6}\s+(.*)", line)
+        if not m:
+            continue
+        slug = re.sub(r"[^\w\- ]", "", m.group(1).strip().lower()).replace(" ", "-")
+        n = seen.get(slug, 0)
+        seen[slug] = n + 1
+        out.add(f"{slug}-{n}" if n else slug)
+    return out
+
+
 def path_errors(text: str, page: Path, root: Path = ROOT) -> list[str]:
-    """Each relative link, or repository path in backticks, that names nothing in the checkout."""
+    """Each relative link, or repository path in backticks, that names nothing in the checkout;
+    each link to a section that its page does not have."""
     errors = []
     for n, line in enumerate(text.splitlines(), 1):
-        for target in LINK.findall(line):
-            target = target.split("#", 1)[0]
-            if not target or re.match(r"[a-z]+:", target):
+        for link in LINK.findall(line):
+            target, _, section = link.partition("#")
+            if re.match(r"[a-z]+:", target):
                 continue
-            if not (page.parent / target).exists():
+            linked = page.parent / target if target else page
+            if not linked.exists():
                 errors.append(f"{page.name}:{n}: link '{target}' names nothing")
+            elif section and linked.suffix == ".md" and section not in anchors(linked.read_text()):
+                errors.append(f"{page.name}:{n}: link '{link}': no such section")
         for p in CODE_PATH.findall(line):
             if p.startswith(TOP) and not PLACEHOLDER.search(p) and not (root / p).exists():
                 errors.append(f"{page.name}:{n}: path '{p}' names nothing")
@@ -100,13 +120,17 @@ def test_the_checks_catch_what_disappears(tmp_path: Path) -> None:
         "    eaglet plan --params examples/kimi-k2.5.params.yaml --json   # fine\n"
         "    snakemake --cores 2 --config params=params.nowhere.yaml\n"
         "See [it](docs/nowhere.md) and `src/eaglet/nowhere.py`; `src/eaglet/cli.py` is real.\n"
+        "[ok](docs/pipeline.md#keys-rebuild-only-what-is-stale) [gone](docs/pipeline.md#nowhere)\n"
     )
     assert command_errors(text, "page.md") == [
         "page.md:1: 'eaglet generate --no-such-flag': no such flag",
         "page.md:2: 'eaglet frobnicate': no such subcommand",
     ]
+    (tmp_path / "docs").mkdir()
+    (tmp_path / "docs" / "pipeline.md").write_text((ROOT / "docs" / "pipeline.md").read_text())
     assert path_errors(text, page) == [
         "page.md:5: link 'docs/nowhere.md' names nothing",
         "page.md:5: path 'src/eaglet/nowhere.py' names nothing",
+        "page.md:6: link 'docs/pipeline.md#nowhere': no such section",
         "page.md:4: file 'params.nowhere.yaml' names nothing",
     ]

@@ -206,9 +206,14 @@ def test_the_run_stage_by_stage(capsys):
     a1 = rows["generate A1_deepswekimi"]
     assert "TP 8 on this node" in a1["runs_on"]
     kv_seq = 61 * (512 + 64) * 2 * 32768
-    assert a1["gpu_gb"] == {"weights_gb": 554 / 8, "kv_gb_per_seq": kv_seq / 1e9, "seqs": 64}
-    held = int((0.9 * 96e9 - 554e9 / 8) // kv_seq)
-    assert a1["fits"] == f"fits {held} of 64 in flight" and held == 7
+    gib = 2**30  # GPU memory in one unit, as the training check counts it
+    assert a1["gpu_gb"] == {
+        "weights_gib": 554e9 / 8 / gib,
+        "kv_gib_per_seq": kv_seq / gib,
+        "seqs": 64,
+    }
+    held = int((0.9 * 96 * gib - 554e9 / 8) // kv_seq)
+    assert a1["fits"] == f"fits {held} of 64 in flight" and held == 10
     assert a1["seconds"] == pytest.approx(3000 / 0.35)  # the measured 0.3-0.4 req/s
     b2 = rows["generate B2_opencodeinstruct"]
     assert "openrouter.ai API" in b2["runs_on"] and b2["seconds"] == pytest.approx(25e6 / 16700)
@@ -223,13 +228,23 @@ def test_the_run_stage_by_stage(capsys):
     assert train["seconds"] == pytest.approx(3 * 0.9 * hidden / 10000)
     # evaluation: eaglet's vLLM TP 8 serving the target and the drafter, plain + 2 num_steps
     ev = rows["evaluate kimi_k25_eagle3"]
-    assert ev["runs_on"] == "vLLM TP 8 (eaglet starts, 3 engines)" and ev["fits"] == "fits"
+    marked = {r["rate"]: r["source"] for r in report["stages"]["rates"]}
+    assert marked["prefill_tokens_per_s"] == marked["train_tokens_per_s"] == "assumed (default)"
+    assert marked["rates.sglang.requests_per_s"] == "params"  # the user's, in the file
+    runs = "4 suites x 1 modes x 2 temperatures x 2 step counts, 280 prompts a pass"
+    assert ev["runs_on"] == f"vLLM TP 8 (eaglet starts, 3 engines); {runs}"
+    assert ev["fits"] == "fits"
+    cfg, rates = params.drafter("kimi_k25_eagle3")["evaluate"], params.data["plan"]
+    assert sum(s.get("prompts", cfg["prompts"]) for s in cfg["suites"].values()) == 280
+    one_pass = 280 * cfg["max_new_tokens"] / (rates["decode_tokens_per_s"] * 4)
+    # three engine starts; the target alone once, then 2 step counts x 2 temperatures
+    assert ev["seconds"] == pytest.approx(3 * rates["engine_startup_s"] + (1 + 2 * 2) * one_pass)
     with torch.device("meta"):
         n = sum(p.numel() for p in Drafter(kimi_drafter(params)).parameters())
     text = json.loads(CONFIG.read_text())["text_config"]
     trained, embed = placement.drafter_parameters(text, arch.resolve(text, {}, "c"), 32000)
     assert trained + embed == n  # the drafter's real module, built on the meta device
-    assert ev["gpu_gb"]["weights_gb"] == pytest.approx((554e9 + 2 * n) / 8 / 1e9)
+    assert ev["gpu_gb"]["weights_gib"] == pytest.approx((554e9 + 2 * n) / 8 / 2**30)
     text = json.loads(CONFIG.read_text())["text_config"]
     assert not footprint.in_process(params.drafter("kimi_k25_eagle3")["evaluate"], text)
     wall = report["stages"]["wall_s"]

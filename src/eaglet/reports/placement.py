@@ -14,8 +14,10 @@ eaglet.graph.footprint counts it), disk, dollars, and the time at the rates of `
 - Time: generation = answered prompts / requests_per_s, or expected completion tokens /
   completion_tokens_per_s (`plan.rates.<backend>`); hidden = expected tokens /
   prefill_tokens_per_s (+ one engine start when eaglet starts it); training = epochs x
-  training tokens / train_tokens_per_s; evaluation = engine starts x engine_startup_s + each
-  run's prompts x max_new_tokens / (decode_tokens_per_s x concurrency). Vocab and export read
+  training tokens / train_tokens_per_s; evaluation = engine starts x engine_startup_s + passes
+  x prompts x max_new_tokens / (decode_tokens_per_s x concurrency), where a pass decodes every
+  suite's prompts in every mode, and the passes are the target alone plus each step count at
+  each temperature. Vocab and export read
   or write one file and take minutes at most: 0.
 - Total: API generation overlaps the node's generation (different machines), everything after
   it runs in sequence on the node: max(API generation, node generation) + the rest.
@@ -30,7 +32,8 @@ from eaglet.graph.keys import Keys
 from eaglet.model import arch
 
 ENGINE_FRACTION = 0.9
-GB = 1e9
+GB = 1e9  # file sizes as published (554 GB of weights)
+GIB = 2**30  # GPU memory, as nvidia-smi shows it and the training check counts it
 
 
 def _local(url: str) -> bool:
@@ -38,17 +41,17 @@ def _local(url: str) -> bool:
 
 
 def engine_row(text: dict, plan: dict, tp: int, seqs: int, seq_len: int, extra: float = 0):
-    """(GB per GPU: weights, KV per sequence, sequences in flight; verdict) of a target engine
-    on `tp` GPUs."""
+    """(GiB per GPU: weights, KV per sequence, sequences in flight; verdict) of a target engine
+    on `tp` GPUs of `plan.gpu_memory_gb` GiB each."""
     gpus, mem = plan.get("gpus"), plan.get("gpu_memory_gb")
     weights = (weights_bytes(text, plan) + extra) / tp  # a drafter's layers split like the target's
     kv = footprint.kv_bytes_per_token(text, tp) * seq_len
-    need = {"weights_gb": weights / GB, "kv_gb_per_seq": kv / GB, "seqs": seqs}
+    need = {"weights_gib": weights / GIB, "kv_gib_per_seq": kv / GIB, "seqs": seqs}
     if mem is None or gpus is None:
         return need, "? (plan.gpus, plan.gpu_memory_gb)"
     if tp > gpus:
         return need, f"DOES NOT FIT (TP {tp} > {gpus} GPUs)"
-    room = ENGINE_FRACTION * mem * GB - weights
+    room = ENGINE_FRACTION * mem * GIB - weights
     if room < kv:
         return need, "DOES NOT FIT"
     held = int(room // kv)
@@ -212,24 +215,32 @@ def evaluate_row(keys: Keys, name: str, text: dict, drafter_bytes: float) -> dic
     ev = d["evaluate"]
     own = footprint.in_process(ev, text)
     seq = max(map(p.max_length, d["datasets"])) + ev["max_new_tokens"]
-    conc, steps = ev["engine_concurrency"], ev["num_steps"]
-    per_run = ev["prompts"] * ev["max_new_tokens"] / (plan["decode_tokens_per_s"] * conc)
-    mem, fits, secs = None, "-", 0.0
+    conc, steps, temps = ev["engine_concurrency"], ev["num_steps"], ev["temperatures"]
+    suites = ev.get("suites") or {"heldout": {}}
+    modes = ev.get("modes") or [None]
+    prompts = len(modes) * sum(s.get("prompts", ev["prompts"]) for s in suites.values())
+    decode = prompts * ev["max_new_tokens"] / (plan["decode_tokens_per_s"] * conc)  # one pass
+    # the target alone once (greedy: the reference), then each step count at each temperature
+    runs = f"{len(suites)} suites x {len(modes)} modes x {len(temps)} temperatures"
+    runs += f" x {len(steps)} step counts, {prompts} prompts a pass"
+    passes = 1 + len(steps) * len(temps)
+    mem, fits = None, "-"
     if ev["engine"] == "none":
         where = "in-process (transformers)" if own else "nowhere: DOES NOT FIT in-process"
         fits = "fits this machine" if own else "DOES NOT FIT"
-        secs = (1 + len(steps)) * per_run
+        secs = passes * decode
     elif "engine_url" in ev:
         where = f"vLLM at {ev['engine_url']} (operator's, with the drafter)"
-        secs = per_run
+        secs = passes * decode
     else:
         tp = ev["engine_tensor_parallel_size"]
         where = f"vLLM TP {tp} (eaglet starts, {1 + len(steps)} engines)"
         mem, fits = engine_row(text, plan, tp, conc, seq, drafter_bytes)
-        secs = (1 + len(steps)) * (plan["engine_startup_s"] + per_run)
+        secs = (1 + len(steps)) * plan["engine_startup_s"] + passes * decode
     if ev["engine"] != "none" and own:
         where += " + in-process"
-        secs += len(steps) * per_run  # the engine's greedy text is the reference
+        secs += len(steps) * len(temps) * decode  # eaglet's own decoder, beside the engine
+    where += f"; {runs}"
     return {
         "stage": f"evaluate {name}",
         "runs_on": where,
@@ -263,7 +274,45 @@ def stages(
     wall = None
     if None not in (gen_api, gen_node, rest):
         wall = max(gen_api, gen_node) + rest
-    return {"rows": out, "wall_s": wall, "generation_api_s": gen_api, "generation_node_s": gen_node}
+    return {
+        "rows": out,
+        "wall_s": wall,
+        "generation_api_s": gen_api,
+        "generation_node_s": gen_node,
+        "rates": rates(keys.params.data["plan"]),
+    }
+
+
+RATES = {  # plan: rate -> what it times
+    "prefill_tokens_per_s": "hidden states",
+    "train_tokens_per_s": "training",
+    "decode_tokens_per_s": "evaluation, per request",
+    "engine_startup_s": "each engine start",
+}
+
+
+def rates(plan: dict) -> list[dict]:
+    """Each rate the times rest on and where it comes from: set in params (`plan:`), or the
+    schema's default, an assumption until measured on the node."""
+    from eaglet.params import schema
+
+    defaults = schema()["properties"]["plan"]["properties"]
+    out = [
+        {
+            "rate": name,
+            "value": plan[name],
+            "times": what,
+            "source": "assumed (default)"
+            if plan[name] == defaults[name].get("default")
+            else "params",
+        }
+        for name, what in RATES.items()
+    ]
+    for backend, given in sorted(plan.get("rates", {}).items()):
+        for name, value in given.items():
+            out.append({"rate": f"rates.{backend}.{name}", "value": value, "times": backend})
+            out[-1]["source"] = "params"
+    return out
 
 
 def _sum(values) -> float | None:

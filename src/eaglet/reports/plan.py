@@ -377,8 +377,8 @@ def render_stages(st: dict) -> list[str]:
     for r in st["rows"]:
         mem = r["gpu_gb"]
         if isinstance(mem, dict):
-            kv = f"{mem['kv_gb_per_seq']:.2f} GB KV x {mem['seqs']}"
-            mem = f"{mem['weights_gb']:.1f} GB weights + {kv}"
+            kv = f"{mem['kv_gib_per_seq']:.2f} GiB KV x {mem['seqs']}"
+            mem = f"{mem['weights_gib']:.1f} GiB weights + {kv}"
         mem = "-" if mem is None else mem
         disk = "-" if r["disk_bytes"] is None else _num(r["disk_bytes"], "B")
         cells = [r["stage"], r["runs_on"], mem, r["fits"], disk, _usd(r["cost_usd"])]
@@ -388,4 +388,7 @@ def render_stages(st: dict) -> list[str]:
         f"{_hours(st['generation_api_s'])}, generation on the node "
         f"{_hours(st['generation_node_s'])}) + the node's stages in sequence"
     )
-    return [*lines, "", wall]
+    marked = ", ".join(
+        f"{r['rate']} {r['value']:,} ({r['times']}; {r['source']})" for r in st.get("rates", [])
+    )
+    return [*lines, "", wall, f"rates: {marked}" if marked else ""]
