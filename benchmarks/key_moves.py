@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -20,12 +21,11 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def _bump(module: str) -> tuple[str, str, str, str]:
-    return (
-        f"`{module}` version 1 -> 2",
-        f"stages/{module}.py",
-        "CODE = Code(\n    version=1,",
-        "CODE = Code(\n    version=2,",
-    )
+    """(what, file, the declaration, the declaration one version higher)."""
+    text = (ROOT / "src" / "eaglet" / "stages" / f"{module}.py").read_text()
+    m = re.search(r"CODE = Code\(\n    version=(\d+),", text)
+    higher = m[0].replace(f"version={m[1]}", f"version={int(m[1]) + 1}")
+    return f"`{module}` version {m[1]} -> {int(m[1]) + 1}", f"stages/{module}.py", m[0], higher
 
 
 # (what, file, old text or "" to append, new text)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import shutil
 from pathlib import Path
 
@@ -68,3 +69,13 @@ def tiny_drafter(tmp_path_factory):
     out = tmp_path_factory.mktemp("drafter") / "trained"
     fit_tiny(data, out, epochs=8)
     return tiny_llama(), data, out
+
+
+def bump_version(text: str) -> str:
+    """A stage module's source with its declared code version (`CODE = Code(version=N, ...)`)
+    one higher."""
+    new, n = re.subn(
+        r"(CODE = Code\(\s*version=)(\d+)", lambda m: f"{m[1]}{int(m[2]) + 1}", text, count=1
+    )
+    assert n == 1, "no CODE = Code(version=...) in this source"
+    return new

@@ -17,7 +17,7 @@ import pytest
 from eaglet.graph import code
 from eaglet.graph.keys import STAGES
 
-from .conftest import ROOT, tiny_params, write_params
+from .conftest import ROOT, bump_version, tiny_params, write_params
 
 STAGE_NAMES = list(STAGES)
 PROBE = """
@@ -162,7 +162,7 @@ def test_a_loss_edit_needs_a_bump_and_the_bump_moves_train_and_below(clone):
     refused = _eaglet(pkg, "code", "--lock")  # the lock is not rewritten over an unbumped edit
     assert refused.returncode == 2 and "stage train" in refused.stderr
 
-    _edit(train, "CODE = Code(\n    version=1,", "CODE = Code(\n    version=2,")
+    train.write_text(bump_version(train.read_text()))
     assert _eaglet(pkg, "code", "--lock").returncode == 0
     bumped = _probe(pkg, params)
     assert bumped["problems"] == []

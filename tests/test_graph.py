@@ -20,7 +20,7 @@ import pytest
 from eaglet.graph.keys import Keys
 from eaglet.params import load
 
-from .conftest import ROOT, tiny_params, write_params
+from .conftest import ROOT, bump_version, tiny_params, write_params
 
 pytestmark = pytest.mark.slow
 
@@ -163,7 +163,7 @@ def test_plumbing_edits_rerun_nothing_and_a_version_bump_reruns_downstream(repo)
         assert planned(repo) == {}
         gen.write_text(old + "\n\nRETRY_NOTE = 'plumbing: no kernel reads it'\n")
         assert planned(repo) == {}
-        gen.write_text(old.replace("CODE = Code(\n    version=1,", "CODE = Code(\n    version=2,"))
+        gen.write_text(bump_version(old))
         # prompts are upstream of responses: they stay
         assert planned(repo) == {"responses": 2, "hidden": 2, **DRAFTER, "all": 1}
     finally:
@@ -171,7 +171,7 @@ def test_plumbing_edits_rerun_nothing_and_a_version_bump_reruns_downstream(repo)
     assert planned(repo) == {}
     hidden = repo / "src" / "eaglet" / "stages/hidden.py"
     old_hidden = _edit(hidden, "{old}")
-    hidden.write_text(old_hidden.replace("    version=1,", "    version=2,", 1))
+    hidden.write_text(bump_version(old_hidden))
     try:  # the hidden stage's version: hidden and downstream only
         assert planned(repo) == {"hidden": 2, **DRAFTER, "all": 1}
     finally:
@@ -260,7 +260,7 @@ def test_gc_keeps_current_and_status_flags_other_code(repo):
     eaglet(repo, "gc")
     gen = repo / "src" / "eaglet" / "stages/generate.py"
     old = _edit(gen, "{old}")
-    gen.write_text(old.replace("    version=1,", "    version=2,", 1))
+    gen.write_text(bump_version(old))
     try:
         out = eaglet(repo, "status")
         # the new code's responses and hidden states are stale (older keys sit beside them);

@@ -8,7 +8,7 @@ from pathlib import Path
 from eaglet.graph.keys import STAGES, Keys, sidecar_of
 from eaglet.params import load
 
-from .conftest import ROOT, tiny_params, write_params
+from .conftest import ROOT, bump_version, tiny_params, write_params
 
 
 def test_keys_follow_params_slices(project):
@@ -115,7 +115,9 @@ def _demo_keys(pkg_root: Path, cache: Path) -> dict[tuple[str, str], str]:
 
 
 def _bump(module: str) -> tuple[str, str, str]:
-    return (f"stages/{module}.py", "CODE = Code(\n    version=1,", "CODE = Code(\n    version=2,")
+    """(file, its source, the source with the stage's version one higher)."""
+    text = (ROOT / "src" / "eaglet" / "stages" / f"{module}.py").read_text()
+    return (f"stages/{module}.py", text, bump_version(text))
 
 
 # (file, old text or "" to append, new text, stages whose keys must move): plumbing and kernel
