@@ -190,29 +190,6 @@ def sidecar_of(artifact: Path) -> Path:
     return artifact.parent / f"{artifact.name.split('.')[0]}.json"
 
 
-def _digest(p: Params, path: str, where: str) -> str:
-    """SHA-256 of the file at `path` (relative to the params file), named by `where`."""
-    source = p.resolve(path)
-    where = f"{p.path}: {where}.path: {source}"
-    if source.exists() and not source.is_file():  # a folder, a FIFO: open() would fail or hang
-        raise EagletError(f"{where}: not a regular file")
-    try:
-        return file_digest(source)
-    except (FileNotFoundError, NotADirectoryError):
-        raise EagletError(f"{where}: no such file") from None
-    except OSError as e:
-        raise EagletError(f"{where}: cannot read ({e.strerror})") from None
-
-
-def _suite_digest(p: Params, suite: dict, where: str) -> str:
-    """SHA-256 of an evaluation suite's file (HumanEval's: the installed package's)."""
-    from eaglet.formats.datasets import humaneval_path
-
-    if "path" in suite:
-        return _digest(p, suite["path"], where)
-    return file_digest(humaneval_path())
-
-
 def file_key(p: Params, path: str, where: str) -> str:
     """SHA-256 of the file at `path` (relative to the params file), named by `where`: a file
     enters a key by its bytes, never by where it lies."""
