@@ -293,3 +293,196 @@ def test_in_process_evaluation_only_where_the_target_fits(project, monkeypatch):
     data["drafters"]["d"]["evaluate"]["engine"] = "vllm"
     engine_only = Keys(load(write_params(project, data)))
     assert engine_only.provenance("evaluate", "d")["params"]["evaluate"]["in_process"] is False
+
+
+# ------------------------------------------------------- the node's disk, and what fits instead
+
+GIB = 2**30
+SPOOL_ONE = 64 * 32768 * 4 * 7168 * 2  # in flight x A1's length x 3 aux + last x H x bf16
+
+
+def overlay(folder: Path, body: str, name: str = "overlay.yaml", dvc: bool = True) -> Path:
+    """The example with `body` on top, in `folder` with the repository's .dvc/config (DVC's
+    cache.type is the project's, read from where the params file lies) or none."""
+    if dvc:
+        (folder / ".dvc").mkdir(parents=True, exist_ok=True)
+        (folder / ".dvc" / "config").write_text((ROOT / ".dvc" / "config").read_text())
+    path = folder / name
+    path.write_text(f"extends: {EXAMPLE}\n{body}")
+    return path
+
+
+def stage_disk(report: dict, kind: str) -> float:
+    return sum(r["disk_bytes"] for r in report["stages"]["rows"] if r["stage"].startswith(kind))
+
+
+def test_the_node_disk_is_the_sum_of_what_it_holds():
+    """Weights, states + ids, the spool of the requests in flight, training and exports, each
+    from the inputs; the repository's DVC config links, so its cache holds no second copy."""
+    free = 5e12
+    report = plan.plan(load(EXAMPLE), CONFIG, free_disk=free)
+    node = report["node_disk"]
+    tokens = report["total"]["hidden_tokens"]["expected"]
+    per_token = 4 * 7168 * 2 * plan.STORAGE_RATIO[("fp8", True, "zstd")]  # fp8 + zstd
+    assert "hardlink" in (ROOT / ".dvc" / "config").read_text()  # what the plan reads
+    want = {
+        "target_weights": 554e9,
+        "hidden_states": tokens * (per_token + 5),  # shards + int32 ids and a bool mask
+        "dvc_cache_copy": 0,
+        "hidden_spool": SPOOL_ONE,
+        "training_folders": stage_disk(report, "train "),
+        "exports": stage_disk(report, "export "),
+    }
+    assert pytest.approx(120.26e9, rel=1e-3) == SPOOL_ONE  # the ~120 GB of A1 at 32K
+    got = {k: v["expected"] for k, v in node["parts"].items()}
+    assert got == pytest.approx(want)
+    assert node["total"]["expected"] == pytest.approx(sum(want.values()))
+    assert node["fits"]["expected"] is (sum(want.values()) <= free) is True
+    assert node["options"] == []  # nothing to propose where it fits
+    assert node["dvc"]["copies"] is False and node["dvc"]["from"] == ".dvc/config"
+    tight = plan.plan(load(EXAMPLE), CONFIG, free_disk=sum(want.values()) * 0.999)
+    assert tight["node_disk"]["fits"]["expected"] is False and tight["node_disk"]["options"]
+
+
+def test_a_dvc_cache_that_copies_counts_a_second_copy(tmp_path):
+    """cache.type copy (and DVC's default reflink,copy where no config sets one): what make
+    store adds is on the disk twice; the option to link saves exactly that copy."""
+    project, bare = tmp_path / "project", tmp_path / "bare"
+    (project / ".dvc").mkdir(parents=True)
+    (project / ".dvc" / "config").write_text(
+        "[core]\n    autostage = true\n[cache]\n    type = copy\n"
+    )
+    report = plan.plan(load(overlay(project, "", dvc=False)), CONFIG, free_disk=1e12)
+    node = report["node_disk"]
+    stored = node["parts"]["hidden_states"]["expected"]
+    stored += stage_disk(report, "train ") + stage_disk(report, "export ")
+    assert node["dvc"]["copies"] is True and node["parts"]["dvc_cache_copy"]["expected"] == stored
+    link = next(o for o in node["options"] if o["option"] == "dvc_link")
+    assert link["saves_bytes"] == pytest.approx(stored)
+    assert link["total_bytes"] == pytest.approx(node["total"]["expected"] - stored)
+    bare.mkdir()
+    default = plan.plan(load(overlay(bare, "", dvc=False)), CONFIG, free_disk=1e12)
+    default = default["node_disk"]["dvc"]
+    assert (default["type"], default["copies"]) == ("reflink,copy", True)
+
+
+def test_fewer_samples_of_the_largest_dataset_make_the_disk_fit(tmp_path):
+    """The proposed max_samples of A1 (the largest states), planned again with that count,
+    fits the same free disk; one sample more does not."""
+    free = 4e12
+    report = plan.plan(load(EXAMPLE), CONFIG, free_disk=free)
+    node = report["node_disk"]
+    assert node["fits"]["expected"] is False
+    sizes = {r["dataset"]: r["hidden_bytes"]["expected"] for r in report["datasets"]}
+    options = {o["option"]: o for o in node["options"]}
+    fewer = options["fewer_samples"]
+    assert fewer["dataset"] == max(sizes, key=sizes.get) == "A1_deepswekimi"
+    n = fewer["max_samples"]
+    assert fewer["fits"] and 0 < n < 3000
+
+    def total_at(samples: int) -> dict:
+        body = f"datasets: {{A1_deepswekimi: {{max_samples: {samples}}}}}\n"
+        p = overlay(tmp_path, body, f"a1-{samples}.yaml")
+        return plan.plan(load(p), CONFIG, free_disk=free)["node_disk"]
+
+    assert total_at(n)["fits"]["expected"] is True
+    assert total_at(n)["total"]["expected"] == pytest.approx(fewer["total_bytes"])
+    assert total_at(n + 1)["fits"]["expected"] is False
+    # a second disk takes the states and the spool; online keeps the ids only
+    second = options["second_disk"]
+    moved = node["parts"]["hidden_states"]["expected"] + SPOOL_ONE
+    assert second["needs_bytes"] == pytest.approx(moved)
+    assert second["total_bytes"] == pytest.approx(node["total"]["expected"] - moved)
+    online = next(r for r in report["hidden_modes"] if r["mode"] == "online")
+    assert options["online"]["total_bytes"] == pytest.approx(online["node_disk_bytes"])
+    assert options["online"]["fits"] is False  # its disk would, its GPUs do not (below)
+    assert "storage" not in options and "dvc_link" not in options  # fp8 + zstd, linked
+
+
+def test_a_cheaper_storage_is_priced_by_planning_it(tmp_path):
+    """Without FP8, the option 'hidden.fp8: true' totals what the plan with FP8 totals."""
+    free = 4e12
+    bf16 = plan.plan(load(overlay(tmp_path, "hidden: {fp8: false}\n")), CONFIG, free_disk=free)
+    fp8 = next(o for o in bf16["node_disk"]["options"] if o["change"] == "hidden.fp8: true")
+    again = plan.plan(load(EXAMPLE), CONFIG, free_disk=free)["node_disk"]["total"]["expected"]
+    assert fp8["total_bytes"] == pytest.approx(again)
+    assert fp8["saves_bytes"] == pytest.approx(bf16["node_disk"]["total"]["expected"] - again)
+
+
+def test_online_shares_each_gpu_between_engine_and_trainer(capsys):
+    """Online and hybrid: the engine's weights / 8 + one A1 sequence's KV + the training peak
+    on each GPU; 96 GiB does not hold them, their sum does; offline runs them in turn."""
+    params = load(EXAMPLE)
+    report = plan.plan(params, CONFIG)
+    peak = max(r["peak_bytes"] for r in report["training"])
+    engine = 554e9 / 8 + 61 * 576 * 2 * 32768
+    modes = {r["mode"]: r for r in report["hidden_modes"]}
+    shared = modes["online"]["gpu"]
+    assert shared["sum_gib"] == pytest.approx((engine + peak) / GIB)
+    assert (engine + peak) / GIB > 96 and not modes["online"]["gpu_fits"]
+    assert not modes["online"]["fits"] and not modes["hybrid"]["gpu_fits"]
+    assert modes["offline"]["gpu_fits"] is (peak <= 96 * GIB) is True
+    options = {o["option"]: o for o in modes["online"]["options"]}
+    assert options["engine_elsewhere"]["fits"] and options["offline"]["fits"] is bool(
+        modes["offline"]["node_disk_fits"]
+    )
+    # the longest sample with which both fit, from the training rows' own fixed and per-token
+    row = max(report["training"], key=lambda r: r["peak_bytes"])
+    fixed, per = sum(row["fixed_bytes"].values()), row["per_token_bytes"]
+    n = options["shared_max_length"]["tokens"]
+    kv = 61 * 576 * 2
+    assert 554e9 / 8 + (kv + per) * n + fixed <= 96 * GIB < 554e9 / 8 + (kv + per) * (n + 1) + fixed
+    # the verdict flips exactly at the sum
+    at = plan.plan(params, CONFIG, gpu_memory=engine + peak)
+    assert {r["mode"]: r["gpu_fits"] for r in at["hidden_modes"]}["online"] is True
+    below = plan.plan(params, CONFIG, gpu_memory=engine + peak - 1)
+    assert {r["mode"]: r["gpu_fits"] for r in below["hidden_modes"]}["online"] is False
+    args = ["plan", "--params", str(EXAMPLE), "--target-config", str(CONFIG), "--json"]
+    for gib, fits in ((96, False), (math.ceil((engine + peak) / GIB), True)):
+        assert main([*args, "--gpu-memory", str(gib)]) == 0
+        modes = {r["mode"]: r for r in json.loads(capsys.readouterr().out)["hidden_modes"]}
+        assert modes["online"]["gpu_fits"] is modes["hybrid"]["gpu_fits"] is fits
+        assert bool(modes["online"]["options"]) is not fits
+
+
+def test_an_engine_that_does_not_fit_gets_its_options(tmp_path, capsys):
+    """64 GiB GPUs cannot hold Kimi's 554 GB over 8: a second node (TP 16) can, FP8 of the
+    parameters would not shrink INT4 experts, and no max_length helps."""
+    from eaglet.graph import footprint
+
+    params = load(overlay(tmp_path, "plan: {gpu_memory_gb: 64}\n"))
+    report = plan.plan(params, CONFIG)
+    hidden = next(r for r in report["stages"]["rows"] if r["stage"].startswith("hidden"))
+    assert 0.9 * 64 * GIB < 554e9 / 8 and hidden["fits"].startswith("DOES NOT FIT")
+    options = {o["option"]: o for o in hidden["options"]}
+    two = options["another_node"]
+    assert two["weights_gib"] == pytest.approx(554e9 / 16 / GIB) and two["fits"]
+    text = json.loads(CONFIG.read_text())["text_config"]
+    assert ("fp8_weights" in options) is (footprint.parameters(text) < 554e9) is False
+    assert "engine_max_length" not in options
+    ok = plan.plan(load(EXAMPLE), CONFIG)["stages"]["rows"]
+    assert all(not r["options"] for r in ok)
+    assert (
+        main(["plan", "--params", str(tmp_path / "overlay.yaml"), "--target-config", str(CONFIG)])
+        == 0
+    )
+    assert "hidden states (all datasets) options (GPU memory):" in capsys.readouterr().out
+
+
+def test_training_that_does_not_fit_gets_a_max_length_that_does(tmp_path):
+    """At 40 GiB A1's 32,768 tokens do not fit; train.max_length at the proposed length, planned
+    again, fits every dataset, and one token more does not."""
+    report = plan.plan(load(EXAMPLE), CONFIG, gpu_memory=40 * GIB)
+    train = next(r for r in report["stages"]["rows"] if r["stage"].startswith("train "))
+    options = {o["option"]: o for o in train["options"]}
+    n = options["train_max_length"]["tokens"]
+    assert options["train_max_length"]["cut"] == ["A1_deepswekimi"] and 8192 < n < 32768
+    peak = max(r["peak_bytes"] for r in report["training"])
+    assert options["bigger_gpu"]["peak_gib"] == pytest.approx(peak / GIB)
+
+    def fits_at(tokens: int) -> bool:
+        body = f"drafters: {{kimi_k25_eagle3: {{train: {{max_length: {tokens}}}}}}}\n"
+        p = overlay(tmp_path, body, f"t-{tokens}.yaml")
+        return all(r["fits"] for r in plan.plan(load(p), CONFIG, gpu_memory=40 * GIB)["training"])
+
+    assert fits_at(n) and not fits_at(n + 1)

@@ -10,16 +10,27 @@ MLA keeps one latent of `kv_lora_rank + qk_rope_head_dim` per layer, replicated 
 tensor-parallel rank; multi-head/grouped attention keeps K and V of its KV heads, split across
 ranks. `fits_here()` decides whether in-process evaluation may load the target: its weights in
 the evaluation dtype within FIT_FRACTION of this machine's memory (RAM, or the GPU's).
+
+The node's disk at once (`node_disk`, for `eaglet plan`): the target's weights, the hidden
+states (shards + token ids, or the ids alone online), DVC's cache copy of what `make store`
+adds (none where `cache.type` links: `dvc_cache`), the spool of the engine's
+full-precision states, training's folders and the exports. `disk_options` re-prices it with
+one thing changed each: fewer samples of the largest dataset, another storage, linked DVC
+cache, a second disk for the hidden states, online mode.
 """
 
 from __future__ import annotations
 
+import math
 import os
+from pathlib import Path
 
 from eaglet.device import resolve_device
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 FIT_FRACTION = 0.8  # the rest: the drafter, activations, the KV cache and the process itself
+DVC_DEFAULT = "reflink,copy"  # DVC's cache.type where no config sets it
+LINKS = {"hardlink", "symlink"}  # cache types that never copy (reflink copies off XFS/Btrfs)
 
 
 def parameters(text: dict) -> int:
@@ -88,3 +99,113 @@ def in_process(evaluate: dict, text: dict) -> bool:
     if evaluate["in_process"] != "auto":
         return evaluate["in_process"]
     return fits_here(text, evaluate["dtype"], evaluate["device"])
+
+
+def dvc_cache(root: Path) -> dict:
+    """DVC's `cache.type` in the project above `root` (.dvc/config, then .dvc/config.local) and
+    whether `dvc add` leaves a second copy: no where hardlink or symlink is listed (they work
+    wherever the cache shares data/'s filesystem); reflink alone links only on XFS or Btrfs."""
+    repo = next((p for p in (root, *root.parents) if (p / ".dvc").is_dir()), None)
+    types, source, cache_dir = DVC_DEFAULT, "DVC's default", None
+    for name in ("config", "config.local") if repo else ():
+        found = _ini(repo / ".dvc" / name, "cache")
+        types, source = (found["type"], f".dvc/{name}") if "type" in found else (types, source)
+        cache_dir = found.get("dir", cache_dir)
+    kinds = {t.strip() for t in types.split(",")}
+    return {"type": types, "from": source, "dir": cache_dir, "copies": not kinds & LINKS}
+
+
+def _ini(path: Path, section: str) -> dict:
+    """The keys of one [section] of a DVC config file (INI), {} where there is none."""
+    out, current = {}, None
+    for line in path.read_text().splitlines() if path.exists() else ():
+        s = line.strip()
+        if s.startswith("["):
+            current = s.strip("[]").strip()
+        elif current == section and "=" in s:
+            key, value = (x.strip() for x in s.split("=", 1))
+            out[key] = value
+    return out
+
+
+def node_disk(m: dict, mode: str, **change) -> dict:
+    """What the node's disk holds at once under hidden.mode `mode`, part by part (expected and
+    max hidden tokens), from `m`: tokens {expected, max}, token_bytes, id_bytes, weights,
+    spool {mode: bytes}, train, exports, copies, free. `change` overrides any of them."""
+    m = m | change
+    tokens = m["tokens"]
+    per_token = m["id_bytes"] + (0 if mode == "online" else m["token_bytes"])
+    hidden = {k: None if v is None else v * per_token for k, v in tokens.items()}
+    stored = {k: None if v is None else v + m["train"] + m["exports"] for k, v in hidden.items()}
+    parts = {
+        "target_weights": {"expected": m["weights"], "max": m["weights"]},
+        "hidden_states": hidden,
+        "dvc_cache_copy": {k: v if m["copies"] else 0 for k, v in stored.items()},
+        "hidden_spool": dict.fromkeys(("expected", "max"), m["spool"][mode]),
+        "training_folders": dict.fromkeys(("expected", "max"), m["train"]),
+        "exports": dict.fromkeys(("expected", "max"), m["exports"]),
+    }
+    total = {k: _total(p[k] for p in parts.values()) for k in ("expected", "max")}
+    fits = {k: None if v is None else v <= m["free"] for k, v in total.items()}
+    return {"mode": mode, "parts": parts, "total": total, "fits": fits, "free_bytes": m["free"]}
+
+
+def _total(values) -> float | None:
+    values = list(values)
+    return None if None in values else sum(values)
+
+
+def disk_options(m: dict, mode: str, largest: dict | None, storages: dict[str, float]) -> list:
+    """Each single change that shrinks the expected total, with its new total and verdict:
+    `largest` {dataset, tokens, answered}: the max_samples of it that makes the total fit;
+    `storages` {setting: bytes a token}: other hidden-state storages."""
+    now = node_disk(m, mode)
+    total, free = now["total"]["expected"], m["free"]
+    if total is None:
+        return []
+    out = []
+    if largest and largest["answered"] and mode != "online":
+        t = m["tokens"]["expected"]
+        rest = node_disk(m, mode, tokens={"expected": t - largest["tokens"], "max": None})
+        rest = rest["total"]["expected"]
+        per_sample = (total - rest) / largest["answered"]
+        n = math.floor((free - rest) / per_sample) if free > rest else 0
+        out.append(
+            {
+                "option": "fewer_samples",
+                "change": f"datasets.{largest['dataset']}.max_samples",
+                "dataset": largest["dataset"],
+                "max_samples": n,
+                "now": round(largest["answered"]),
+                "rest_bytes": rest,
+                "total_bytes": rest + n * per_sample,
+                "fits": n >= 1,
+            }
+        )
+    for setting, token_bytes in storages.items():
+        if mode != "online" and token_bytes < m["token_bytes"]:
+            out.append(
+                _option("storage", setting, node_disk(m, mode, token_bytes=token_bytes), now)
+            )
+    if m["copies"]:
+        out.append(_option("dvc_link", "cache.type", node_disk(m, mode, copies=False), now))
+    hidden = now["parts"]["hidden_states"]["expected"]
+    moved = hidden + now["parts"]["hidden_spool"]["expected"]
+    moved += hidden if m["copies"] else 0
+    second = {"option": "second_disk", "change": "data/hidden and hidden.spool on a second disk"}
+    out.append(second | {"needs_bytes": moved, "total_bytes": total - moved})
+    out[-1]["fits"] = total - moved <= free
+    if mode != "online":
+        out.append(_option("online", "hidden.mode", node_disk(m, "online"), now))
+    return out
+
+
+def _option(kind: str, change: str, after: dict, now: dict) -> dict:
+    total = after["total"]["expected"]
+    return {
+        "option": kind,
+        "change": change,
+        "total_bytes": total,
+        "saves_bytes": now["total"]["expected"] - total,
+        "fits": after["fits"]["expected"],
+    }

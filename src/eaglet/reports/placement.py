@@ -21,6 +21,12 @@ eaglet.graph.footprint counts it), disk, dollars, and the time at the rates of `
   or write one file and take minutes at most: 0.
 - Total: API generation overlaps the node's generation (different machines), everything after
   it runs in sequence on the node: max(API generation, node generation) + the rest.
+- Online and hybrid hidden states (`colocation`): the trainer asks the engine for states while
+  it trains, so each GPU holds both: the engine's weights / TP + the KV of one sequence of the
+  longest max_length, plus the largest training peak, against `--gpu-memory`. An engine at a
+  URL off this node shares nothing.
+- Options (`engine_options`, `training_options`, `colocation_options`): where a row does not
+  fit, each single change that would, re-priced by the same arithmetic.
 """
 
 from __future__ import annotations
@@ -98,10 +104,11 @@ def generation_rows(keys: Keys, rows: list[dict], text: dict) -> list[dict]:
         ds, name = r["dataset"], r["backend"]
         cfg = p.backend(name)
         where, tp = _where_backend(name, cfg, plan.get("gpus"))
-        mem, fits = (None, "-")
+        mem, fits, options = (None, "-", [])
         if tp:
             seqs = cfg.get("concurrency", 1)
             mem, fits = engine_row(text, plan, tp, seqs, r["max_length"])
+            options = engine_options(text, plan, fits, tp, seqs, r["max_length"])
         rate = plan["rates"].get(name, {})
         n_exp = r["answered"]
         secs = None
@@ -119,6 +126,7 @@ def generation_rows(keys: Keys, rows: list[dict], text: dict) -> list[dict]:
                 "disk_bytes": None,
                 "cost_usd": r["cost_usd"]["expected"],
                 "seconds": secs,
+                "options": options,
             }
         )
     return out
@@ -132,16 +140,18 @@ def hidden_row(keys: Keys, total: dict, text: dict, disk_fits: dict) -> dict:
     secs = None
     if total["hidden_tokens"]["expected"] is not None:
         secs = total["hidden_tokens"]["expected"] / plan["prefill_tokens_per_s"]
+    tp = hidden_tp(h, plan)
     if h["backend"] == "transformers":
-        where, tp = f"transformers in-process ({h['device']})", 1
+        where = f"transformers in-process ({h['device']})"
     elif h.get("url"):
-        tp = plan.get("gpus") if _local(h["url"]) else None
         where = f"{h['backend']} at {h['url']}" + (f", TP {tp} on this node" if tp else "")
     else:
-        tp = plan.get("gpus") or 1
         where = f"vLLM TP {tp} (eaglet starts)"
         secs = secs + plan["engine_startup_s"] if secs is not None else None
-    mem, fits = engine_row(text, plan, tp, h["concurrency"], longest) if tp else (None, "-")
+    mem, fits, options = None, "-", []
+    if tp:
+        mem, fits = engine_row(text, plan, tp, h["concurrency"], longest)
+        options = engine_options(text, plan, fits, tp, h["concurrency"], longest)
     disk = {True: "disk fits", False: "disk DOES NOT FIT", None: "disk ?"}[disk_fits["expected"]]
     return {
         "stage": "hidden states (all datasets)",
@@ -152,7 +162,18 @@ def hidden_row(keys: Keys, total: dict, text: dict, disk_fits: dict) -> dict:
         "disk_bytes": total["hidden_bytes"]["expected"],
         "cost_usd": 0.0,
         "seconds": secs,
+        "options": options,
     }
+
+
+def hidden_tp(h: dict, plan: dict) -> int | None:
+    """The hidden-states engine's GPUs on this node: 1 in-process, the node for a loopback
+    server or one eaglet starts, None for a server elsewhere."""
+    if h["backend"] == "transformers":
+        return 1
+    if h.get("url"):
+        return plan.get("gpus") if _local(h["url"]) else None
+    return plan.get("gpus") or 1
 
 
 def train_memory_cells(training: list[dict]) -> tuple[str, str]:
@@ -185,6 +206,7 @@ def drafter_rows(
     procs = tr["processes"]
     train_gpu, train_fits = train_memory_cells([r for r in training if r["drafter"] == name])
     row = {"node": True, "cost_usd": 0.0, "gpu_gb": None, "fits": "-", "disk_bytes": None}
+    row["options"] = []
     out = [
         dict(row, stage=f"vocab {name}", runs_on="this CPU (token counts)", seconds=0.0),
         dict(
@@ -193,6 +215,7 @@ def drafter_rows(
             runs_on=f"torchrun x {procs}" if procs > 1 else f"1 process ({tr['device']})",
             gpu_gb=train_gpu,
             fits=train_fits,
+            options=training_options([r for r in training if r["drafter"] == name]),
             disk_bytes=trained * 16 + embed * 4,  # fp32 weights + AdamW state; embeddings fp32
             seconds=train_secs,
         ),
@@ -224,7 +247,7 @@ def evaluate_row(keys: Keys, name: str, text: dict, drafter_bytes: float) -> dic
     runs = f"{len(suites)} suites x {len(modes)} modes x {len(temps)} temperatures"
     runs += f" x {len(steps)} step counts, {prompts} prompts a pass"
     passes = 1 + len(steps) * len(temps)
-    mem, fits = None, "-"
+    mem, fits, options = None, "-", []
     if ev["engine"] == "none":
         where = "in-process (transformers)" if own else "nowhere: DOES NOT FIT in-process"
         fits = "fits this machine" if own else "DOES NOT FIT"
@@ -236,6 +259,7 @@ def evaluate_row(keys: Keys, name: str, text: dict, drafter_bytes: float) -> dic
         tp = ev["engine_tensor_parallel_size"]
         where = f"vLLM TP {tp} (eaglet starts, {1 + len(steps)} engines)"
         mem, fits = engine_row(text, plan, tp, conc, seq, drafter_bytes)
+        options = engine_options(text, plan, fits, tp, conc, seq, drafter_bytes)
         secs = (1 + len(steps)) * plan["engine_startup_s"] + passes * decode
     if ev["engine"] != "none" and own:
         where += " + in-process"
@@ -250,6 +274,7 @@ def evaluate_row(keys: Keys, name: str, text: dict, drafter_bytes: float) -> dic
         "disk_bytes": None,
         "cost_usd": 0.0,
         "seconds": secs,
+        "options": options,
     }
 
 
@@ -270,6 +295,11 @@ def stages(
     out.append(hidden_row(keys, total, text, fits))
     for name in keys.params.drafters:
         out += drafter_rows(keys, name, rows, text, where, training)
+    shared = colocation(keys, text, training) if training else None
+    if shared and shared["engine_gib"] and keys.params.data["hidden"]["mode"] != "offline":
+        for r in out:  # the configured mode shares the GPUs: the train rows say so
+            if r["stage"].startswith("train "):
+                r["fits"] += f"; {shared_cell(shared)}"
     rest = _sum(r["seconds"] for r in out[len(rows) :])
     wall = None
     if None not in (gen_api, gen_node, rest):
@@ -280,6 +310,7 @@ def stages(
         "generation_api_s": gen_api,
         "generation_node_s": gen_node,
         "rates": rates(keys.params.data["plan"]),
+        "colocation": shared,
     }
 
 
@@ -318,3 +349,155 @@ def rates(plan: dict) -> list[dict]:
 def _sum(values) -> float | None:
     values = list(values)
     return None if any(v is None for v in values) else sum(values)
+
+
+# ------------------------------------------------------- what fits where it does not, re-priced
+
+
+def _fits(verdict: str) -> bool:
+    return verdict.startswith("fits")
+
+
+def engine_options(
+    text: dict, plan: dict, verdict: str, tp: int, seqs: int, seq_len: int, extra: float = 0
+) -> list[dict]:
+    """Where an engine does not fit (not one sequence beside its weights): FP8 weights (1 byte a
+    parameter, where that is less than the weights as served), a second node (TP over twice the
+    GPUs), or the longest sequence that fits beside the weights. Fewer in flight cannot help:
+    the engine already queues what does not fit."""
+    if _fits(verdict) or plan.get("gpu_memory_gb") is None or plan.get("gpus") is None:
+        return []
+    out = []
+    fp8 = footprint.parameters(text)
+    if fp8 < weights_bytes(text, plan):
+        fp8_plan = plan | {"target_weights_gb": fp8 / GB}
+        need, v = engine_row(text, fp8_plan, min(tp, plan["gpus"]), seqs, seq_len, extra)
+        out.append(_engine_option("fp8_weights", "FP8 weights", need, v))
+    two = 2 * plan["gpus"]
+    need, v = engine_row(text, plan | {"gpus": two}, two, seqs, seq_len, extra)
+    out.append(_engine_option("another_node", f"a second node: TP {two}", need, v))
+    weights = (weights_bytes(text, plan) + extra) / min(tp, plan["gpus"])
+    room = ENGINE_FRACTION * plan["gpu_memory_gb"] * GIB - weights
+    per_token = footprint.kv_bytes_per_token(text, min(tp, plan["gpus"]))
+    if room >= per_token:
+        longest = int(room // per_token)
+        out.append({"option": "engine_max_length", "change": "max_length", "tokens": longest})
+        out[-1]["fits"] = True
+    return out
+
+
+def _engine_option(kind: str, change: str, need: dict, verdict: str) -> dict:
+    return {"option": kind, "change": change, **need, "verdict": verdict, "fits": _fits(verdict)}
+
+
+def training_options(training: list[dict]) -> list[dict]:
+    """Where a drafter's longest sample does not fit a GPU: train.max_length at the longest that
+    fits (samples cut there), batch 1 if larger, or a GPU with the largest peak. More DDP
+    processes do not help: each holds the whole drafter and its optimizer state."""
+    over = [r for r in training if not r["fits"]]
+    if not over:
+        return []
+    worst = max(over, key=lambda r: r["peak_bytes"])
+    longest = worst["longest_that_fits"]
+    out = [
+        {
+            "option": "train_max_length",
+            "change": "train.max_length",
+            "tokens": longest,
+            "cut": [r["dataset"] for r in over],
+            "fits": longest >= 1,
+        }
+    ]
+    if worst["batch_size"] > 1:
+        one = sum(worst["fixed_bytes"].values()) + worst["per_token_bytes"] * worst["tokens"]
+        out.append(
+            {
+                "option": "batch_size",
+                "change": "train.batch_size: 1",
+                "peak_gib": one / GIB,
+                "fits": one <= worst["gpu_bytes"],
+            }
+        )
+    gpu = {"option": "bigger_gpu", "change": "a GPU of", "peak_gib": worst["peak_bytes"] / GIB}
+    return [*out, gpu | {"fits": True}]
+
+
+def colocation(keys: Keys, text: dict, training: list[dict]) -> dict:
+    """Each GPU in online and hybrid modes, where the trainer asks the hidden-states engine for
+    states while it trains: the engine's weights / TP + the KV of one sequence of the longest
+    max_length, and the largest training peak, against the trainer's GPU (`--gpu-memory`).
+    engine_gib None: the engine is on another node."""
+    p = keys.params
+    h, plan = p.data["hidden"], p.data["plan"]
+    gpu = training[0]["gpu_bytes"]
+    worst = max(training, key=lambda r: r["peak_bytes"])
+    out = {"gpu_gib": gpu / GIB, "trainer_gib": worst["peak_bytes"] / GIB}
+    out |= {"trainer_fits": all(r["fits"] for r in training), "tp": hidden_tp(h, plan)}
+    if out["tp"] is None:
+        return out | {
+            "engine_gib": None,
+            "sum_gib": out["trainer_gib"],
+            "fits": out["trainer_fits"],
+        }
+    tp, longest = out["tp"], max(map(p.max_length, p.datasets))
+    weights = weights_bytes(text, plan) / tp
+    kv = footprint.kv_bytes_per_token(text, tp)
+    engine = weights + kv * longest
+    # the longest sample (same length for both) with which engine and trainer fit together
+    fixed = max(sum(r["fixed_bytes"].values()) for r in training)
+    per = max(r["per_token_bytes"] * r["batch_size"] for r in training)
+    both = max(0, int((gpu - weights - fixed) // (kv + per)))
+    return out | {
+        "weights_gib": weights / GIB,
+        "kv_gib_per_seq": kv * longest / GIB,
+        "tokens": longest,
+        "engine_gib": engine / GIB,
+        "sum_gib": (engine + worst["peak_bytes"]) / GIB,
+        "fits": engine + worst["peak_bytes"] <= gpu,
+        "longest_both_fit": both,
+    }
+
+
+def shared_cell(c: dict, shares: bool = True, verdict: bool = True) -> str:
+    """One GPU while training, from `colocation`: engine + trainer where they share it (the
+    engine on another node: the trainer alone), else the trainer with the engine before it."""
+    if not shares or c["engine_gib"] is None:
+        fits = c["trainer_fits"]
+        where = "the engine before it" if not shares else "the engine on another node"
+        text = f"trainer {c['trainer_gib']:.1f} GiB of {c['gpu_gib']:.0f} ({where})"
+    else:
+        fits = c["fits"]
+        text = (
+            f"engine {c['engine_gib']:.1f} + trainer {c['trainer_gib']:.1f} = "
+            f"{c['sum_gib']:.1f} GiB of {c['gpu_gib']:.0f}"
+        )
+    return text + (f": {'fits' if fits else 'DOES NOT FIT'}" if verdict else "")
+
+
+def colocation_options(c: dict, offline_disk: dict) -> list[dict]:
+    """Where engine and trainer do not fit one GPU together: offline (in sequence: the trainer
+    alone, and offline's node disk `offline_disk` {total, fits}), the engine on another node
+    (hidden.url, a spool both nodes mount), or every max_length at the longest that fits both."""
+    if c["fits"]:
+        return []
+    out = [
+        {
+            "option": "offline",
+            "change": "hidden.mode: offline",
+            "trainer_gib": c["trainer_gib"],
+            "disk_bytes": offline_disk["total"],
+            "disk_fits": offline_disk["fits"],
+            "fits": c["trainer_fits"] and bool(offline_disk["fits"]),
+        },
+        {
+            "option": "engine_elsewhere",
+            "change": "hidden.url on another node",
+            "trainer_gib": c["trainer_gib"],
+            "fits": c["trainer_fits"],
+        },
+    ]
+    if c["engine_gib"] is not None:
+        tokens = c["longest_both_fit"]
+        out.append({"option": "shared_max_length", "change": "max_length", "tokens": tokens})
+        out[-1]["fits"] = tokens >= 1
+    return out

@@ -21,6 +21,12 @@ is read (or `--target-config`).
 - training memory per GPU, per drafter and dataset (eaglet.model.train_memory): the peak of one
   micro-batch of the dataset's longest sample, against `--gpu-memory`, and the longest sample
   that fits.
+- the node's disk at once (`disk_model`, eaglet.graph.footprint.node_disk): the target's
+  weights, the hidden states, DVC's cache copy, the spool (up to: requests in flight x the longest
+  max_length x the layers kept x H x the compute dtype's bytes: what the engine writes before
+  eaglet compresses it; x training processes online and hybrid, each asks for its own),
+  training's folders and the exports, against the free disk; where it does not fit, the
+  options that change one thing each (footprint.disk_options).
 """
 
 from __future__ import annotations
@@ -32,6 +38,7 @@ from pathlib import Path
 from eaglet.device import resolve_dtype
 from eaglet.errors import EagletError
 from eaglet.formats.io import read_json
+from eaglet.graph import footprint
 from eaglet.graph.keys import Keys, sidecar_of
 from eaglet.model import arch, train_memory
 from eaglet.model.target import need, read_config, spec_of, text_config
@@ -201,8 +208,15 @@ def dataset_plan(keys: Keys, ds: str, token_bytes: float) -> dict:
     }
 
 
-def plan(params: Params, target_config: Path | None = None, gpu_memory: float = 96 * 2**30) -> dict:
-    """The whole plan: per dataset, totals, the disk check and training memory per GPU."""
+def plan(
+    params: Params,
+    target_config: Path | None = None,
+    gpu_memory: float = 96 * 2**30,
+    free_disk: float | None = None,
+) -> dict:
+    """The whole plan: per dataset, totals, the disk checks, training memory per GPU and what
+    to change where something does not fit. `free_disk` (bytes): the node's, else measured
+    where data/hidden will be written."""
     keys = Keys(params)
     text, where, prefix = target_text(params, target_config)
     width, layers = (need(text, f, where, prefix) for f in ("hidden_size", "num_hidden_layers"))
@@ -220,13 +234,21 @@ def plan(params: Params, target_config: Path | None = None, gpu_memory: float = 
         }
     out = params.root / "data" / "hidden"
     probe = next(p for p in (out, *out.parents) if p.exists())
-    free = shutil.disk_usage(probe).free
+    free = shutil.disk_usage(probe).free if free_disk is None else free_disk
     fits = {k: None if v is None else v <= free for k, v in total["hidden_bytes"].items()}
     shown = os.path.relpath(probe) if probe.is_relative_to(Path.cwd()) else str(probe)
+    shown = shown if free_disk is None else "the node (given)"
     training = training_memory(params, text, where, prefix, gpu_memory)
+    stages = placement.stages(keys, text, where, rows, total, fits, training)
+    model = disk_model(params, text, total, stages["rows"], token_bytes, n_aux, free)
+    node = footprint.node_disk(model, h["mode"])
+    options = disk_options(params, rows, model, node, n_aux, width, stages["colocation"])
     return {
         "target": {"config": where, "hidden_size": width, "num_hidden_layers": layers},
-        "stages": placement.stages(keys, text, where, rows, total, fits, training),
+        "stages": stages,
+        "node_disk": node
+        | {"dvc": model["dvc"], "spool": model["spool_shape"]}
+        | {"drafters": params.drafters, "options": options},
         "storage": {
             "dtype": h["dtype"],
             "fp8": h["fp8"],
@@ -236,17 +258,100 @@ def plan(params: Params, target_config: Path | None = None, gpu_memory: float = 
         "datasets": rows,
         "total": total,
         "disk": {"path": shown, "free_bytes": free, "fits": fits},
-        "hidden_modes": mode_rows(params, rows, free),
+        "hidden_modes": mode_rows(params, rows, free, model, stages["colocation"]),
         "training": training,
     }
+
+
+def disk_model(
+    params: Params,
+    text: dict,
+    total: dict,
+    stage_rows: list[dict],
+    token_bytes: float,
+    n_aux: int,
+    free: float,
+) -> dict:
+    """The inputs of eaglet.graph.footprint.node_disk from the plan's own numbers."""
+    h, plan = params.data["hidden"], params.data["plan"]
+    width = text["hidden_size"]
+    longest = max(map(params.max_length, params.datasets))
+    dtype = resolve_dtype(h["compute_dtype"], "cuda")
+    shape = {
+        "in_flight": h["concurrency"],
+        "tokens": longest,
+        "layers": n_aux + 1,  # the aux layers and the last
+        "width": width,
+        "dtype": dtype,
+        "dtype_bytes": footprint.DTYPE_BYTES[dtype],
+        "processes": max(
+            (params.drafter(d)["train"]["processes"] for d in params.drafters), default=1
+        ),
+        "path": h.get("spool") or "a temporary directory",
+        "backend": h["backend"],
+    }
+    one = shape["in_flight"] * longest * shape["layers"] * width * shape["dtype_bytes"]
+    offline = one if h["backend"] == "vllm" else 0  # the others return the states, no spool
+    online = one * shape["processes"]  # online and hybrid: vLLM, each process asks on its own
+    dvc = footprint.dvc_cache(params.root)
+
+    def disk(kind: str) -> float:
+        return sum(r["disk_bytes"] or 0 for r in stage_rows if r["stage"].startswith(kind))
+
+    return {
+        "tokens": total["hidden_tokens"],
+        "token_bytes": token_bytes,
+        "id_bytes": TOKEN_ID_BYTES,
+        "weights": placement.weights_bytes(text, plan),
+        "spool": {"offline": offline, "online": online, "hybrid": online},
+        "spool_shape": shape,
+        "train": disk("train "),
+        "exports": disk("export "),
+        "copies": dvc["copies"],
+        "dvc": dvc,
+        "free": free,
+    }
+
+
+def disk_options(
+    params: Params,
+    rows: list[dict],
+    model: dict,
+    node: dict,
+    n_aux: int,
+    width: int,
+    shared: dict | None,
+) -> list[dict]:
+    """Where the node's disk does not fit: footprint.disk_options with the dataset of the most
+    hidden-state bytes and the storages with FP8 or zstd turned on; online's option also with
+    its GPUs (placement.colocation), as it trains beside the engine."""
+    if node["fits"]["expected"] is not False:
+        return []
+    h = params.data["hidden"]
+    storages = {
+        "hidden.fp8: true": bytes_per_token(h | {"fp8": True}, n_aux, width),
+        "hidden.compress: zstd": bytes_per_token(h | {"compress": "zstd"}, n_aux, width),
+    }
+    big = max(rows, key=lambda r: r["hidden_bytes"]["expected"] or 0)
+    largest = {"dataset": big["dataset"], "answered": big["answered"]}
+    largest["tokens"] = big["hidden_tokens"]["expected"]
+    out = footprint.disk_options(model, h["mode"], largest, storages)
+    for o in out:
+        if o["option"] == "online" and shared is not None:
+            o |= {"gpu": shared, "disk_fits": o["fits"]}
+            o["fits"] = bool(o["fits"]) and shared["fits"]
+    return out
 
 
 TOKEN_ID_BYTES = 5  # int32 id + bool mask: what an online manifest keeps per token
 
 
-def mode_rows(params: Params, rows: list[dict], free: int) -> list[dict]:
-    """Per hidden.mode: expected disk for hidden states and engine prefill tokens (one epoch and
-    all training), from the datasets' expected hidden tokens and bytes."""
+def mode_rows(
+    params: Params, rows: list[dict], free: int, model: dict, shared: dict | None
+) -> list[dict]:
+    """Per hidden.mode: expected disk for hidden states, the node's disk in that mode, engine
+    prefill tokens (one epoch and all training), and online and hybrid's GPUs shared by the
+    engine and the trainer (placement.colocation); `fits`: disk and GPUs."""
     tokens = {r["dataset"]: r["hidden_tokens"]["expected"] for r in rows}
     size = {r["dataset"]: r["hidden_bytes"]["expected"] for r in rows}
     once = _sum(tokens.values())
@@ -258,17 +363,31 @@ def mode_rows(params: Params, rows: list[dict], free: int) -> list[dict]:
     )
     ids = None if once is None else once * TOKEN_ID_BYTES
     shards = _sum(size.values())
+    offline = footprint.node_disk(model, "offline")
+    offline = {"total": offline["total"]["expected"], "fits": offline["fits"]["expected"]}
+    colocated_options = placement.colocation_options(shared, offline) if shared else []
     out = []
     for mode, disk, prefill in (
         ("offline", None if shards is None else shards + ids, once),
         ("online", ids, epochs_x),
         ("hybrid", None if shards is None else shards + ids, once),
     ):
+        node = footprint.node_disk(model, mode)
+        shares = mode != "offline"  # online and hybrid train beside the engine
+        gpu_fits = True if shared is None else shared["fits" if shares else "trainer_fits"]
+        node_fits = node["fits"]["expected"]
         out.append(
             {
                 "mode": mode,
                 "disk_bytes": disk,
-                "fits": None if disk is None else disk <= free,
+                "disk_fits": None if disk is None else disk <= free,
+                "node_disk_bytes": node["total"]["expected"],
+                "node_disk_fits": node_fits,
+                "gpu": shared,
+                "shares_gpus": shares,
+                "gpu_fits": gpu_fits,
+                "fits": None if node_fits is None else node_fits and gpu_fits,
+                "options": colocated_options if shares else [],
                 "prefill_tokens_per_epoch": once,
                 "prefill_tokens_total": prefill,
                 "repeats_each_epoch": mode == "online",
@@ -340,6 +459,8 @@ def render(report: dict) -> str:
             "",
             *render_stages(report["stages"]),
             "",
+            *render_node_disk(report["node_disk"]),
+            "",
             *render_modes(report),
             "",
             *render_training(report["training"]),
@@ -347,20 +468,116 @@ def render(report: dict) -> str:
     )
 
 
+VERDICT = {True: "fits", False: "DOES NOT FIT", None: "unknown"}
+PARTS = {
+    "target_weights": "target weights",
+    "hidden_states": "hidden states",
+    "dvc_cache_copy": "DVC cache copy",
+    "hidden_spool": "hidden spool, up to",
+    "training_folders": "training folders",
+    "exports": "exports",
+}
+
+
+def render_node_disk(n: dict) -> list[str]:
+    """What the node's disk holds at once, part by part, the total against the free disk, and
+    the options where it does not fit."""
+    dvc, sp = n["dvc"], n["spool"]
+    link = "a second copy" if dvc["copies"] else "linked where .dvc/cache shares data/'s disk"
+    cache_dir = f", cache.dir {dvc['dir']}" if dvc["dir"] else ""
+    ids = "token ids" if n["mode"] == "online" else "shards + token ids"
+    procs = f" x {sp['processes']} processes" if n["mode"] != "offline" else ""
+    drafters = ",".join(n["drafters"])
+    drafters = f"{{{drafters}}}" if len(n["drafters"]) > 1 else drafters
+    where = {
+        "target_weights": "the shared HF cache (plan.target_weights_gb, else parameters x 2 B)",
+        "hidden_states": f"data/hidden ({n['mode']}: {ids})",
+        "dvc_cache_copy": f"make store, cache.type {dvc['type']} ({dvc['from']}{cache_dir}): "
+        + link,
+        "hidden_spool": f"{sp['path']}: {sp['in_flight']} in flight{procs} x "
+        f"{sp['tokens']:,} tokens x {sp['layers']} layers x {sp['width']:,} x "
+        f"{sp['dtype_bytes']} B ({sp['dtype']})"
+        if n["parts"]["hidden_spool"]["expected"]
+        else f"none: hidden.backend {sp['backend']} returns the states",
+        "training_folders": f"models/{drafters}/train",
+        "exports": f"models/{drafters}/sglang, vllm",
+    }
+    lines = ["| node disk, at once | expected | max | where |", "|---|---|---|---|"]
+    for part, v in n["parts"].items():
+        cells = [PARTS[part], _num(v["expected"], "B"), _num(v["max"], "B"), where[part]]
+        lines.append("| " + " | ".join(cells) + " |")
+    t, f = n["total"], n["fits"]
+    verdict = f"{VERDICT[f['expected']]} (expected), {VERDICT[f['max']]} (max)"
+    free = f"of {_num(n['free_bytes'], 'B')} free: {verdict}"
+    lines.append(f"| total | {_num(t['expected'], 'B')} | {_num(t['max'], 'B')} | {free} |")
+    if n["options"]:
+        lines += ["", "node disk options (each alone, expected):"]
+        lines += [_option(o) for o in n["options"]]
+    return lines
+
+
+def _option(o: dict) -> str:
+    """One option as a line: the change, its numbers, the verdict."""
+    kind, change = o["option"], o["change"]
+    total = _num(o.get("total_bytes"), "B")
+    saves = f"total {total} (saves {_num(o.get('saves_bytes'), 'B')})"
+    if kind == "fewer_samples" and o["fits"]:
+        text = f"{change}: {o['max_samples']:,} (now {o['now']:,} answered): total {total}"
+    elif kind == "fewer_samples":
+        rest = _num(o["rest_bytes"], "B")
+        text = f"fewer {o['dataset']} samples: none is enough (the rest alone is {rest})"
+    elif kind in ("storage", "dvc_link"):
+        text = f"{change}{' reflink,hardlink,copy' if kind == 'dvc_link' else ''}: {saves}"
+    elif kind == "second_disk":
+        text = f"{change} ({_num(o['needs_bytes'], 'B')} there): this disk keeps {total}"
+    elif kind == "online":
+        text = f"{change}: online: {saves}, disk {VERDICT[o.get('disk_fits', o['fits'])]}"
+        text += f"; GPUs: {placement.shared_cell(o['gpu'], verdict=False)}" if "gpu" in o else ""
+    elif kind in ("fp8_weights", "another_node"):
+        kv = f"{o['kv_gib_per_seq']:.2f} GiB KV x {o['seqs']}"
+        return f"- {change}: {o['weights_gib']:.1f} GiB weights + {kv}: {o['verdict']}"
+    elif kind == "engine_max_length":
+        text = f"max_length {o['tokens']:,} at most (one sequence beside the weights)"
+    elif kind == "train_max_length":
+        text = f"{change}: {o['tokens']:,} (cuts {', '.join(o['cut'])})"
+    elif kind == "batch_size":
+        text = f"{change}: peak {o['peak_gib']:.1f} GiB"
+    elif kind == "bigger_gpu":
+        text = f"{change} {o['peak_gib']:.1f} GiB or more"
+    elif kind == "offline":
+        disk = f"node disk {_num(o['disk_bytes'], 'B')} ({VERDICT[o['disk_fits']]})"
+        text = f"{change} (engine, then trainer): trainer {o['trainer_gib']:.1f} GiB, {disk}"
+    elif kind == "engine_elsewhere":
+        text = f"{change} (a spool both mount): trainer {o['trainer_gib']:.1f} GiB alone"
+    elif o["fits"]:  # shared_max_length
+        text = f"every max_length {o['tokens']:,} at most (engine and trainer together)"
+    else:
+        text = "a shorter max_length: none lets engine and trainer fit together"
+    return f"- {text}: {VERDICT[o['fits']]}"
+
+
 def render_modes(report: dict) -> list[str]:
-    """The hidden.mode table: disk and engine prefill per mode."""
-    verdict = {True: "fits", False: "DOES NOT FIT", None: "unknown"}
-    lines = [
-        "| hidden.mode | hidden-state disk (exp) | engine prefill tok / epoch | prefill tok, all "
-        "training |",
-        "|---|---|---|---|",
-    ]
+    """The hidden.mode table: disk, GPUs while training and engine prefill per mode; the
+    options under it where a mode's GPUs do not fit."""
+    cols = ["hidden.mode", "hidden-state disk (exp)", "node disk (exp)", "GPU while training"]
+    cols += ["engine prefill tok / epoch", "prefill tok, all training", "fits"]
+    lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+    options: dict[str, list] = {}  # online and hybrid share one engine beside the trainer
     for r in report["hidden_modes"]:
         total = _num(r["prefill_tokens_total"])
         if r["repeats_each_epoch"]:
             total += " (repeated every epoch: tokens x epochs)"
-        disk = f"{_num(r['disk_bytes'], 'B')} ({verdict[r['fits']]})"
-        lines.append(f"| {r['mode']} | {disk} | {_num(r['prefill_tokens_per_epoch'])} | {total} |")
+        disk = f"{_num(r['disk_bytes'], 'B')} ({VERDICT[r['disk_fits']]})"
+        node = f"{_num(r['node_disk_bytes'], 'B')} ({VERDICT[r['node_disk_fits']]})"
+        gpu = "-" if r["gpu"] is None else placement.shared_cell(r["gpu"], r["shares_gpus"])
+        gpu += " (first epoch)" if r["mode"] == "hybrid" and r["gpu"] else ""
+        cells = [r["mode"], disk, node, gpu, _num(r["prefill_tokens_per_epoch"]), total]
+        lines.append("| " + " | ".join([*cells, VERDICT[r["fits"]]]) + " |")
+        if r["options"]:
+            options.setdefault("\n".join(map(_option, r["options"])), []).append(r["mode"])
+    for text, modes in options.items():
+        lines += ["", f"hidden.mode {' and '.join(modes)}: engine and trainer on one GPU; options:"]
+        lines += text.splitlines()
     return lines
 
 
@@ -391,4 +608,9 @@ def render_stages(st: dict) -> list[str]:
     marked = ", ".join(
         f"{r['rate']} {r['value']:,} ({r['times']}; {r['source']})" for r in st.get("rates", [])
     )
-    return [*lines, "", wall, f"rates: {marked}" if marked else ""]
+    options = []
+    for r in st["rows"]:
+        if r.get("options"):
+            options += ["", f"{r['stage']} options (GPU memory):"]
+            options += [_option(o) for o in r["options"]]
+    return [*lines, "", wall, f"rates: {marked}" if marked else "", *options]
