@@ -9,6 +9,11 @@ from __future__ import annotations
 
 import gzip
 import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
 from pathlib import Path
 
 import pyarrow as pa
@@ -19,7 +24,7 @@ from eaglet.cli import main
 from eaglet.errors import EagletError
 from eaglet.formats.io import read_jsonl
 from eaglet.formats.readers import iter_rows
-from eaglet.graph.keys import sidecar_of
+from eaglet.graph.keys import Keys, sidecar_of
 from eaglet.params import load
 
 from .conftest import ROOT, write_params
@@ -254,20 +259,92 @@ def test_humaneval_is_not_a_training_format(tmp_path):
     assert "datasets.code.format: humaneval is an evaluation suite only" in msg
 
 
-def test_shipped_params_still_load():
-    for path in [*ROOT.glob("params*.yaml"), *(ROOT / "examples").glob("*.yaml")]:
+def test_shipped_params_still_load(tmp_path):
+    """Every shipped params file loads; the smoke overlay where the runbook puts it, at the
+    project's root beside the example copied to params.yaml."""
+    for path in [*ROOT.glob("params*.yaml"), ROOT / "examples" / "kimi-k2.5.params.yaml"]:
         assert load(path).datasets, path
+    shutil.copy(ROOT / "examples" / "kimi-k2.5.params.yaml", tmp_path / "params.yaml")
+    smoke = shutil.copy(ROOT / "examples" / "kimi-k2.5.smoke.yaml", tmp_path / "smoke.yaml")
+    assert load(smoke).datasets
+    assert sorted(p.name for p in (ROOT / "examples").glob("*.yaml")) == [
+        "kimi-k2.5.params.yaml",
+        "kimi-k2.5.smoke.yaml",
+    ]
 
 
-def test_an_unknown_stage_or_name_in_eaglet_path_is_one_line(capsys):
-    """`eaglet path export demo` (an export is named by its format) and an unknown drafter."""
-    args = ["--params", str(ROOT / "params.yaml")]
-    assert main(["path", "export", "demo", *args]) == 2
-    assert "no stage 'export' (known: prompts, " in capsys.readouterr().err
-    assert main(["path", "train", "nope", *args]) == 2
-    assert "no drafter 'nope' (known: demo)" in capsys.readouterr().err
-    assert main(["path", "vllm", "demo", *args]) == 0
-    assert capsys.readouterr().out.strip().startswith(str(ROOT / "models" / "demo" / "vllm"))
+def eaglet_fails(*args: str, env: dict[str, str | None] | None = None) -> str:
+    """`eaglet ARGS` in its own process: exit code 2 and one line on stderr, no traceback."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), **(env or {})}
+    env = {k: v for k, v in env.items() if v is not None}  # None: unset
+    cmd = [sys.executable, "-m", "eaglet", *args]
+    r = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=120)
+    lines = r.stderr.strip().splitlines()
+    assert r.returncode == 2 and len(lines) == 1, (args, r.returncode, r.stderr)
+    assert lines[0].startswith("eaglet: error: ")
+    return lines[0]
+
+
+STAGE_LIST = "(stages: prompts, responses, hidden, vocab, train, evaluate, sglang, vllm)"
+
+
+def test_an_unknown_stage_or_name_in_eaglet_path_is_one_line():
+    """`eaglet path export NAME` (an export is named by its format), an unknown stage, and a
+    name that is not a drafter (or is a dataset): one line listing what there is."""
+    params = ["--params", str(ROOT / "params.yaml")]
+    err = eaglet_fails("path", "export", "kimi_k25_eagle3", *params)
+    assert f"no stage 'export' {STAGE_LIST}; an export's stage is its format: " in err
+    assert "eaglet path sglang kimi_k25_eagle3 or eaglet path vllm kimi_k25_eagle3" in err
+    err = eaglet_fails("path", "drafter", "demo", *params)
+    assert err.endswith(f"no stage 'drafter' {STAGE_LIST}")
+    assert "no drafter 'nope' (known: demo)" in eaglet_fails("path", "train", "nope", *params)
+    err = eaglet_fails("path", "train", "demo_questions", *params)
+    assert "no drafter 'demo_questions' (known: demo); 'demo_questions' is a dataset, " in err
+    assert err.endswith("its stages: prompts, responses, hidden")
+    assert main(["path", "vllm", "demo", *params]) == 0
+    with pytest.raises(EagletError, match=r"no stage 'export' .*its format: sglang or vllm"):
+        Keys(load(ROOT / "params.yaml")).path("export", "demo")  # the library says it too
+
+
+def _hub_project(tmp_path, **target) -> list[str]:
+    (tmp_path / "a.jsonl").write_text('{"conversations": [{"from": "human", "value": "hi"}]}\n')
+    data = {
+        "target": {"model": "someorg/not-cached", **target},
+        "datasets": {"a": {"path": "a.jsonl"}},
+    }
+    return ["--params", str(write_params(tmp_path, data))]
+
+
+HUB_COMMANDS = (["keys"], ["status"], ["path", "hidden", "a"])
+
+
+def test_a_hub_target_offline_and_not_cached_is_one_line(tmp_path):
+    """HF_HUB_OFFLINE with a hub id not in an (empty) cache: `main` cannot be pinned to a
+    commit. keys, status and path stop with one line naming the model and the ways out."""
+    env = {"HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path / "hf"), "HF_HUB_CACHE": None}
+    args = _hub_project(tmp_path)
+    for cmd in HUB_COMMANDS:
+        err = eaglet_fails(*cmd, *args, env=env)
+        assert "target.revision: 'main' of someorg/not-cached is a moving ref" in err, cmd
+        assert "pin its commit (target.revision: <40 hex>)" in err
+        assert "hf download someorg/not-cached --revision main" in err
+        assert "or unset HF_HUB_OFFLINE" in err
+
+
+def test_an_unreachable_hub_is_one_line(tmp_path):
+    """Online, the hub refusing connections: resolving `main` is one line that says what to
+    do, naming the model."""
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {"HF_HUB_OFFLINE": "0", "HF_HOME": str(tmp_path / "hf"), "HF_HUB_CACHE": None}
+    env["HF_ENDPOINT"] = f"http://127.0.0.1:{port}"
+    args = _hub_project(tmp_path)
+    for cmd in HUB_COMMANDS:
+        err = eaglet_fails(*cmd, *args, env=env)
+        assert "target.revision: cannot resolve 'main' of someorg/not-cached on the hub (" in err
+        assert "pin its commit (target.revision: <40 hex>), or download it into the hub " in err
+        assert "(hf download someorg/not-cached --revision main) and set HF_HUB_OFFLINE=1" in err
 
 
 def test_a_hub_target_neither_cached_nor_reachable_is_one_line(tmp_path, capsys, monkeypatch):

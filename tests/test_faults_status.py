@@ -91,6 +91,12 @@ def test_a_hidden_build_part_way_and_a_damaged_one(tmp_path):
     os.utime(build.journal, (time.time() - 600, time.time() - 600))  # nobody writes it now
     row = line(show(tmp_path), "sg", "hidden")
     assert "partial" in row and "3 shards built; interrupted; continue: eaglet hidden sg" in row
+    assert "log:" not in row  # run by hand: no log of the graph's
+    log = tmp_path / "logs" / "hidden" / "sg" / f"{final.name}.log"  # Snakemake's `log:`
+    log.parent.mkdir(parents=True)
+    log.write_text("hidden sg: 3/8 (38%)\n")
+    row = line(show(tmp_path), "sg", "hidden")
+    assert f"continue: eaglet hidden sg; log: logs/hidden/sg/{final.name}.log" in row
 
     entries = [json.loads(x) for x in build.journal.read_text().splitlines()[1:]]
     build.finish({"format": "test", "shards": entries})

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import json
+import os
+import time
 
 import pytest
 
-from eaglet.formats.io import read_jsonl
+from eaglet.formats.io import read_jsonl, write_json
 from eaglet.graph.keys import Keys, build
 from eaglet.model.target import SMOLLM2, load_tokenizer, resolve
 from eaglet.params import load
@@ -141,6 +143,76 @@ def test_artifact_states_missing_up_to_date_stale(tmp_path, monkeypatch):
     fake.stop()
 
 
+def test_a_stale_artifact_says_why(tmp_path, monkeypatch):
+    """The newest artifact of another key, read from its sidecar against the current inputs:
+    a changed setting, a moved upstream key, an older code version, or nothing recorded."""
+    monkeypatch.setenv("EAGLET_TEST_KEY", KEY)
+    fake = FakeLLM(api_key=KEY).start()
+    raw = write_raw(tmp_path, 5)
+    data = api_params(fake.url, {"a": {"path": "data/raw.jsonl", "format": "sharegpt"}})
+    params = setup(tmp_path, data)
+    build("responses", params, "a", quiet=True)
+    fake.stop()
+    keys = Keys(params)
+    old = {s: keys.key(s, "a") for s in ("prompts", "responses")}
+    digest = keys.provenance("prompts", "a")["params"]["source_sha256"]
+
+    def rows(data) -> dict:
+        write_params(tmp_path, data)
+        return {r["stage"]: r for r in status.collect(load(tmp_path / "params.yaml"))}
+
+    data["generation"]["max_new_tokens"] = 8  # a setting the answers were made with
+    r = rows(data)
+    assert r["prompts"]["state"] == "up to date" and "stale" not in r["prompts"]
+    assert r["responses"]["stale"] == {
+        "from": old["responses"],
+        "why": ["sampling.max_new_tokens: 16 -> 8"],
+    }
+    with open(raw, "a") as f:  # one more prompt: the prompts' key moves, and every key below
+        f.write(json.dumps({"conversations": [{"from": "human", "value": "and one more?"}]}))
+    r = rows(data)
+    new = load(tmp_path / "params.yaml")
+    now = Keys(new).provenance("prompts", "a")["params"]["source_sha256"]
+    assert r["prompts"]["stale"] == {
+        "from": old["prompts"],
+        "why": [f"source_sha256: {digest} -> {now}"],
+    }
+    assert r["responses"]["stale"]["why"] == [
+        "sampling.max_new_tokens: 16 -> 8",
+        "upstream prompts moved",
+    ]
+    assert status._summary(r["prompts"]) == (
+        f"since {old['prompts']}: source_sha256: {digest[:12]} -> {now[:12]}"  # keys' length
+    )
+    out = eaglet(tmp_path, "status").stdout
+    line = next(x for x in out.splitlines() if x.split()[:2] == ["a", "responses"])
+    assert f"stale       since {old['responses']}: sampling.max_new_tokens: 16 -> 8; " in line
+    assert "upstream prompts moved" in line
+
+    # an artifact of the current inputs but an older code version, newer than the others
+    build("prompts", new, "a")
+    cur = Keys(new)
+    folder = cur.path("responses", "a").parent
+    stale = folder / "0123456789ab.jsonl.zst"
+    stale.write_bytes((folder / f"{old['responses']}.jsonl.zst").read_bytes())
+    provenance = cur.provenance("responses", "a")
+    version = provenance["code_version"]
+    write_json(folder / "0123456789ab.json", {"provenance": {**provenance, "code_version": 1}})
+    later = time.time() + 60
+    os.utime(stale, (later, later))
+    why = [f"code version: 1 -> {version}"]
+    assert json.loads(eaglet(tmp_path, "status", "--json").stdout)[1]["stale"] == {
+        "from": "0123456789ab",
+        "why": why,
+    }
+    (folder / "0123456789ab.json").unlink()  # built by something that recorded nothing
+    r = rows(data)["responses"]
+    assert r["stale"] == {"from": "0123456789ab", "why": [status.NO_PROVENANCE]}
+    assert status._summary(r).startswith(
+        "0123456789ab was built from other inputs (no provenance to compare); 0/6 answered"
+    )
+
+
 def test_gc_removes_other_keys_leftovers_and_caches_but_not_the_current_ones(tmp_path, monkeypatch):
     from eaglet.graph.artifacts import gc
 
@@ -181,12 +253,17 @@ def test_a_running_training_shows_its_step_loss_and_eta(project):
     progress.done = progress.base = 10  # resumed at step 10: not in the rate
     progress.note(loss=2.3456)
     progress.update(5, tokens=5000)
+    log = project / "logs" / "train" / "d" / f"{path.name}.log"  # the rule's, under Snakemake
+    log.parent.mkdir(parents=True)
+    log.write_text("train: 15/40 (38%)\n")
     row = next(r for r in status.collect(params) if r["stage"] == "train")
-    assert row["state"] == "partial" and row["next"].startswith("running")
+    assert row["state"] == "partial" and row["next"] == "running"
+    assert row["log"] == os.path.relpath(log)
     beat = row["partial"]["progress"]
     assert (beat["done"], beat["total"], beat["unit"], beat["loss"]) == (15, 40, "step", 2.3456)
     assert beat["eta_s"] == pytest.approx(25 / beat["rate"])  # 5 steps done here, 25 to go
     line = status._summary(row)
     assert line.startswith("15/40 step, ") and "ETA " in line and "loss 2.346" in line
+    assert line.endswith(f"; running; log: {os.path.relpath(log)}")
     progress.close()  # the beacon goes with the run
     assert not (work / BEACON).exists()

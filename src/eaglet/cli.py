@@ -136,7 +136,8 @@ def cmd_plan(args: argparse.Namespace) -> None:
 
     from eaglet.reports import plan
 
-    report = plan.plan(_params(args), args.target_config, args.gpu_memory * 2**30)
+    free = args.free_disk * 1e9 if args.free_disk is not None else None
+    report = plan.plan(_params(args), args.target_config, args.gpu_memory * 2**30, free)
     print(json.dumps(report, indent=2) if args.json else plan.render(report))
 
 
@@ -239,16 +240,18 @@ def cmd_report(args: argparse.Namespace) -> None:
 
 
 def cmd_path(args: argparse.Namespace) -> None:
-    from eaglet.graph.keys import STAGES, Keys
+    from eaglet.graph.keys import STAGES, Keys, stage_named
 
-    if args.stage not in STAGES:
-        known = ", ".join(STAGES)
-        raise EagletError(f"no stage '{args.stage}' (known: {known}; exports are sglang, vllm)")
+    exports = f"eaglet path sglang {args.name} or eaglet path vllm {args.name}"
+    kind = stage_named(args.stage, exports).kind
     params = _params(args)
-    names = params.datasets if STAGES[args.stage].kind == "dataset" else params.drafters
-    if args.name not in names:
-        what = STAGES[args.stage].kind
-        raise EagletError(f"{params.path}: no {what} '{args.name}' (known: {', '.join(names)})")
+    names = {"dataset": params.datasets, "drafter": params.drafters}
+    if args.name not in names[kind]:
+        known = ", ".join(names[kind]) or "none"
+        other = "drafter" if kind == "dataset" else "dataset"
+        stages = ", ".join(s for s, st in STAGES.items() if st.kind == other)
+        hint = f"; '{args.name}' is a {other}, its stages: {stages}" * (args.name in names[other])
+        raise EagletError(f"{params.path}: no {kind} '{args.name}' (known: {known}){hint}")
     print(Keys(params).path(args.stage, args.name))
 
 
@@ -318,6 +321,12 @@ def _graph_commands(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.add_argument(
         "--gpu-memory", type=float, default=96, help="GiB per GPU for training (RTX PRO 6000: 96)"
+    )
+    p.add_argument(
+        "--free-disk",
+        type=float,
+        metavar="GB",
+        help="the node's free disk, when planned from elsewhere (default: measured here)",
     )
     _add_common(p)
     p.set_defaults(fn=cmd_plan)

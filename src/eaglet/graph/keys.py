@@ -67,14 +67,24 @@ STAGES: dict[str, Stage] = {
 }
 
 
+def stage_named(stage: str, exports: str = "sglang or vllm") -> Stage:
+    """The stage called `stage`; an unknown name is one error listing the stages there are
+    (for an export, which is named by its format: `exports`)."""
+    if stage in STAGES:
+        return STAGES[stage]
+    known = ", ".join(STAGES)
+    hint = f"; an export's stage is its format: {exports}" if "export" in stage.lower() else ""
+    raise EagletError(f"no stage '{stage}' (stages: {known}){hint}")
+
+
 def code_version(stage: str) -> int:
     """The stage's declared code version (its module's CODE, read without importing it)."""
-    return code.declared(stage, STAGES[stage].module).version
+    return code.declared(stage, stage_named(stage).module).version
 
 
 def check_code(stage: str) -> None:
     """Stop `stage` when its kernel differs from the lock at the same version."""
-    code.check(stage, STAGES[stage].module)
+    code.check(stage, stage_named(stage).module)
 
 
 @dataclass(frozen=True)
@@ -140,7 +150,7 @@ class Keys:
         values come from the stage's own `spec_of(keys, name)`, beside the code that reads them
         (`eaglet.stages.<stage>_spec`)."""
         if (stage, name) not in self._memo:
-            st = STAGES[stage]
+            st = stage_named(stage)
             spec_of = importlib.import_module(st.spec_module).spec_of
             values, upstream = spec_of(self, name, *st.variant)
             version = code_version(stage)
@@ -163,7 +173,7 @@ class Keys:
     def path(self, stage: str, name: str) -> Path:
         """data/<stage>/<dataset>/<key><ext> or models/<drafter>/<stage>/<key><ext>, under the
         params file's directory."""
-        st = STAGES[stage]
+        st = stage_named(stage)
         where = ("data", stage, name) if st.kind == "dataset" else ("models", name, stage)
         base = self.params.root.joinpath(*where, self.key(stage, name))
         return base if st.ext == "/" else base.with_name(base.name + st.ext)
@@ -207,7 +217,7 @@ def file_key(p: Params, path: str, where: str) -> str:
 
 def stage_module(stage: str) -> ModuleType:
     """The stage's module: its spec, its setup and its run."""
-    return importlib.import_module(STAGES[stage].module)
+    return importlib.import_module(stage_named(stage).module)
 
 
 def resolve_stage(stage: str, params: Params, name: str, **options: Any) -> tuple[Spec, Any]:

@@ -104,26 +104,41 @@ def pin_revision(repo: str, revision: str | None) -> str:
     """The commit a hub ref names (`main` if none): a moving ref is never a key input.
 
     A 40-hex commit is taken as is; a branch or tag is read from the local hub cache, else asked
-    of the hub; offline and not cached it is an error that says how to pin it."""
+    of the hub; offline and not cached, or the hub unreachable, it is one error naming the model
+    and the ways out: pin the commit, download the model into the cache, work offline."""
     ref = revision or "main"
     if COMMIT.fullmatch(ref):
         return ref
     from huggingface_hub import constants, try_to_load_from_cache
 
-    cached = try_to_load_from_cache(repo, "config.json", revision=ref)
+    try:
+        cached = try_to_load_from_cache(repo, "config.json", revision=ref)
+    except ValueError as e:  # HFValidationError: not a repository id the hub accepts
+        raise EagletError(f"target.model: '{repo}' is not a valid hub id ({_short(e)})") from None
     if isinstance(cached, str):
         return Path(cached).parent.name  # <cache>/snapshots/<commit>/config.json
+    pin = "pin its commit (target.revision: <40 hex>)"
+    download = f"download it into the hub cache first (hf download {repo} --revision {ref})"
     if constants.HF_HUB_OFFLINE:
         raise EagletError(
             f"target.revision: '{ref}' of {repo} is a moving ref and {repo} is not in the local "
-            "hub cache: pin a commit (target.revision: <40 hex>) or download the model first"
+            f"hub cache ({constants.HF_HUB_CACHE}) while HF_HUB_OFFLINE is set: {pin}, "
+            f"{download}, or unset HF_HUB_OFFLINE to ask the hub"
         )
     from huggingface_hub import HfApi
 
     try:
         return HfApi().model_info(repo, revision=ref).sha
-    except Exception as e:
-        raise EagletError(f"target.revision: cannot resolve '{ref}' of {repo}: {e}") from None
+    except Exception as e:  # unreachable, no such repository, gated, no such ref
+        raise EagletError(
+            f"target.revision: cannot resolve '{ref}' of {repo} on the hub ({_short(e)}): "
+            f"{pin}, or {download} and set HF_HUB_OFFLINE=1"
+        ) from None
+
+
+def _short(error: Exception) -> str:
+    """An exception on one line, as short as a message allows: hub errors span several."""
+    return f"{type(error).__name__}: {' '.join(str(error).split())}"[:200]
 
 
 def spec_of(params: Any) -> TargetSpec:
@@ -393,20 +408,18 @@ def _fetch(spec: TargetSpec, name: str) -> Path:
 
     try:
         return Path(hf_hub_download(location, name, revision=spec.revision))
-    except LocalEntryNotFoundError:  # offline, or the hub unreachable, and not cached
+    except Exception as e:  # offline or unreachable and not cached, gated, no such repository
+        if isinstance(e, EntryNotFoundError) and not isinstance(e, LocalEntryNotFoundError):
+            return Path(location) / name  # the repository has no such file: callers check it
+        rev = spec.revision or "main"
+        why = (
+            "is not in the local hub cache and the hub cannot be reached"
+            if isinstance(e, LocalEntryNotFoundError)
+            else f"cannot be read from the hub or its local cache ({_short(e)})"
+        )
         raise EagletError(
-            f"target {location}@{(spec.revision or 'main')[:12]}: {name} is not in the local hub "
-            "cache and the hub cannot be reached; download the model first (huggingface-cli "
-            "download) or point target.model at a local folder"
-        ) from None
-    except EntryNotFoundError:
-        return Path(location) / name  # the repository has no such file: callers check is_file
-    except Exception as e:  # offline and not cached, unreachable, gated, no such repository
-        reason = " ".join(str(e).split())[:160]
-        raise EagletError(
-            f"target {location}@{(spec.revision or 'main')[:12]}: cannot read {name} from the hub "
-            f"or its local cache ({type(e).__name__}: {reason}); download the model first "
-            "(huggingface-cli download) or point target.model at a local folder"
+            f"target {location}@{rev[:12]}: {name} {why}; download the model first "
+            f"(hf download {location} --revision {rev}) or point target.model at a local folder"
         ) from None
 
 

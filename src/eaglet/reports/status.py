@@ -1,12 +1,15 @@
 """`eaglet status`: every artifact's current key and state, and how each generation stands.
 
-An artifact is `up to date` when it exists at its current key, `stale` when only files of
-older keys exist (built from older params or code), else `missing`; `partial` when a build of
+An artifact is `up to date` when it exists at its current key, `stale` when only artifacts of
+other keys exist (built from other params or code), else `missing`; `partial` when a build of
 the current key was started and not finished (a hidden-states folder's shards, a drafter's
 checkpoint), `damaged` when a hidden-states folder does not hold the shards its manifest names,
-each with the command that continues or rebuilds it. Generation progress is read from the
-response store, so it is live while `eaglet generate` runs in another process; an interrupted
-generation says so.
+each with the command that continues or rebuilds it. A stale artifact says why: what the newest
+other key's sidecar records (spec, code version, upstream keys) against the current inputs, in
+`eaglet compare`'s words. Generation progress is read from the response store, so it is live
+while `eaglet generate` runs in another process; an interrupted generation says so. An artifact
+not built yet whose log exists (Snakemake's `logs/<stage>/<name>/<key>.log`: running, or
+failed) names it.
 """
 
 from __future__ import annotations
@@ -14,24 +17,76 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import time
 
 from eaglet.formats.io import read_json
 from eaglet.formats.store import Store, store_path
-from eaglet.graph.keys import STAGES, Keys
+from eaglet.graph.artifacts import KEY_RE
+from eaglet.graph.keys import STAGES, Keys, sidecar_of
 from eaglet.params import Params
 from eaglet.progress import BEACON
+from eaglet.reports.compare import _changed, _flat
 from eaglet.stages import regeneration
 
 RUN_FRESH_S = 60.0  # a heartbeat older than this is not a run in progress
+NO_PROVENANCE = "built from other inputs (no provenance to compare)"
 
 
 def _state(path, stage) -> str:
     if path.exists():
         return "up to date"
+    return "stale" if _others(path, stage) else "missing"
+
+
+def _others(path, stage: str) -> list:
+    """The artifacts of other keys beside `path` (`<key><ext>`), newest first."""
     ext = STAGES[stage].ext
-    others = [p for p in path.parent.glob(f"*{ext}") if not p.name.startswith(".")]
-    return "stale" if others else "missing"
+    found = []
+    with contextlib.suppress(OSError):
+        for p in path.parent.iterdir():
+            if ext == "/":
+                key = p.name if p.is_dir() else ""
+            else:
+                key = p.name.removesuffix(ext) if p.name.endswith(ext) else ""
+            with contextlib.suppress(OSError):
+                if KEY_RE.match(key) and p != path:
+                    found.append((p.stat().st_mtime, p))
+    return [p for _, p in sorted(found, key=lambda t: t[0], reverse=True)]
+
+
+def _stale(keys: Keys, stage: str, name: str, path) -> dict:
+    """Why `path` is stale: the newest artifact of another key, and what its sidecar records
+    it was built from (spec, code version, upstream keys) against what the key is made of now."""
+    older = _others(path, stage)[0]
+    key = older.name.removesuffix(STAGES[stage].ext.strip("/"))
+    try:
+        old = read_json(sidecar_of(older)).get("provenance") or {}
+    except (OSError, ValueError, AttributeError):
+        old = {}
+    if not isinstance(old.get("params"), dict):
+        return {"from": key, "why": [NO_PROVENANCE]}
+    now = keys.provenance(stage, name)
+    why = _changed(old, now)
+    before, after = _flat(old.get("upstream") or {}), _flat(now["upstream"])
+    for up in dict.fromkeys([*after, *before]):
+        if up not in before:
+            why.append(f"upstream {up} added")
+        elif up not in after:
+            why.append(f"upstream {up} dropped")
+        elif before[up] != after[up]:
+            why.append(f"upstream {up} moved")
+    return {"from": key, "why": why or ["no recorded input differs (another eaglet's key scheme)"]}
+
+
+def _log(keys: Keys, stage: str, name: str) -> str | None:
+    """The log the graph's rule writes for the current key (`logs/<stage>/<name>/<key>.log`,
+    under Snakemake's working folder: the params file's, or this one), if there is one."""
+    rel = os.path.join("logs", stage, name, f"{keys.key(stage, name)}.log")
+    for base in dict.fromkeys([str(keys.params.root), os.getcwd()]):
+        if os.path.isfile(os.path.join(base, rel)):
+            return os.path.relpath(os.path.join(base, rel))
+    return None
 
 
 def generation(params: Params, dataset: str, keys: Keys, store: Store | None) -> dict | None:
@@ -142,16 +197,20 @@ def _row(params: Params, keys: Keys, store, kind: str, name: str, stage: str) ->
     if row["state"] != "up to date" and (partial := _partial(path, stage)):
         row["state"], row["partial"] = "partial", partial
         fresh = time.time() - partial["updated"] < RUN_FRESH_S
-        row["next"] = f"{'running' if fresh else 'interrupted'}; continue: {command}"
+        row["next"] = "running" if fresh else f"interrupted; continue: {command}"
     elif row["state"] == "up to date" and (damage := _damage(path, stage)):
         row["state"], row["damage"] = "damaged", damage
         row["next"] = f"rebuild: rm -r {row['path']} && {command}"
+    elif row["state"] == "stale":
+        row["stale"] = _stale(keys, stage, name, path)
     if path.exists() and sidecar.exists():
         row["stats"] = read_json(sidecar).get("stats", {})
     if stage == "responses":
         row["generation"] = generation(params, name, keys, store)
     if stage == "hidden" and path.is_dir():
         row["disk_bytes"] = sum(p.stat().st_size for p in path.iterdir() if p.is_file())
+    if row["state"] != "up to date" and (log := _log(keys, stage, name)):
+        row["log"] = log
     return row
 
 
@@ -180,6 +239,23 @@ def _duration(seconds: float | None) -> str:
 
 
 def _summary(row: dict) -> str:
+    """The row's state in words: why it is stale, its stats or progress, its log."""
+    parts = [_details(row)]
+    if stale := row.get("stale"):
+        old, why = stale["from"], stale["why"]
+        known = f"since {old}: " + "; ".join(map(_short, why))
+        parts.insert(0, f"{old} was {NO_PROVENANCE}" if why == [NO_PROVENANCE] else known)
+    if row.get("log"):
+        parts.append(f"log: {row['log']}")
+    return "; ".join(p for p in parts if p)
+
+
+def _short(change: str) -> str:
+    """A change as the status line shows it: SHA-256 digests cut to 12 hex, as keys are."""
+    return re.sub(r"\b([0-9a-f]{12})[0-9a-f]{52}\b", r"\1", change)
+
+
+def _details(row: dict) -> str:
     st = row.get("stats", {})
     if row["state"] == "partial":
         p = row["partial"]
