@@ -484,23 +484,120 @@ def store_keys(params, ds: str) -> list[str]:
     return [job.keyfn(p["messages"]) for p in prompts_of(params, ds)]
 
 
-def test_dry_run_of_a_managed_engine_starts_nothing(tmp_path):
-    """`generate --dry-run` with a vLLM engine eaglet would start: no engine, no model loaded;
-    it says what it could not check."""
+# The dry run under a watch: Python's audit hook records every child process it starts, and at
+# the end every model class module of transformers it imported (a model is built from one; a
+# tokenizer never imports one; `auto` holds only the mappings) is added, however it ends.
+WATCHED = r"""
+import json, sys
+seen = []
+def hook(event, args):
+    if event in ("subprocess.Popen", "os.posix_spawn", "os.fork", "os.forkpty", "os.exec",
+                 "os.spawn", "os.system"):
+        seen.append([event, repr(args)[:300]])
+sys.addaudithook(hook)
+from eaglet.cli import main
+try:
+    code = main(sys.argv[2:])
+finally:
+    seen += [["module", m] for m in sorted(sys.modules)
+             if m.startswith("transformers.models.") and ".modeling_" in m
+             and not m.startswith("transformers.models.auto.")]
+    with open(sys.argv[1], "w") as f:
+        json.dump(seen, f)
+sys.exit(code)
+"""
+
+
+def watched(project: Path, *args: str) -> tuple[subprocess.CompletedProcess, list]:
+    """`eaglet ARGS` under the watch: its result and what the watch saw."""
+    events = project / "events.json"
+    env = dict(os.environ, PYTHONPATH=str(ROOT / "src"))
+    cmd = [sys.executable, "-c", WATCHED, str(events), *args]
+    cmd += ["--params", str(project / "params.yaml")]
+    r = subprocess.run(cmd, capture_output=True, text=True, cwd=project, env=env, timeout=300)
+    return r, json.loads(events.read_text())
+
+
+@pytest.mark.parametrize("kind", ["vllm", "transformers"])
+def test_dry_run_of_a_managed_engine_or_in_process_target_loads_nothing(tmp_path, kind):
+    """`generate --dry-run` with a vLLM engine eaglet would start, or the in-process target:
+    no child process started, no model built, and one `not checked:` line naming what only the
+    run can check; the tokenizer and template are checked (they load without the model), the
+    store and the budget counted. The watch is real: the run itself trips it."""
     write_raw(tmp_path, 3)
+    engine = {"kind": kind} if kind == "vllm" else {"kind": "transformers", "device": "cpu"}
     data = {
         "target": {"model": SMOLLM2},
-        "backends": {"engine": {"kind": "vllm"}},
+        "backends": {"engine": engine},
         "generation": {"backend": "engine", "max_new_tokens": 8, "truncated": "keep"},
+        "budget": {"token_budget": 1000},
         "datasets": {"a": {"path": "data/raw.jsonl", "format": "sharegpt"}},
     }
-    setup(tmp_path, data)
+    params = setup(tmp_path, data)
     t0 = time.monotonic()
-    r = eaglet(tmp_path, "generate", "a", "--dry-run")
-    assert time.monotonic() - t0 < 60
-    assert "not started by a dry run, so not checked" in r.stdout + r.stderr
-    assert "requests to send: 3" in r.stdout + r.stderr
-    assert subprocess.run(["pgrep", "-f", "vllm.entrypoints"]).returncode != 0
+    r, events = watched(tmp_path, "generate", "a", "--dry-run")
+    assert r.returncode == 0, r.stderr
+    assert events == []  # no engine, no model: nothing was started or built
+    assert time.monotonic() - t0 < 120
+    out = r.stdout
+    (line,) = [x for x in out.splitlines() if x.startswith("  not checked:")]
+    if kind == "vllm":
+        assert "the managed vLLM engine is not started by --dry-run" in line
+        assert "`eaglet generate a` starts it" in line
+        assert "backend: a vLLM engine eaglet starts for the run" in out
+    else:
+        assert "the in-process target" in line and "is not loaded by --dry-run" in line
+    assert SMOLLM2 in line
+    first = prompts_of(params, "a")[0]
+    tokens = len(prompt_ids(_tok(), first["messages"]))
+    assert f"chat template renders prompt {first['id']} ({tokens} tokens)" in out
+    assert "requests to send: 3" in out and "budget.token_budget 1000: used 0" in out
+    if kind == "transformers":  # the run loads the model, and the watch sees it
+        r, events = watched(tmp_path, "generate", "a", "--quiet")
+        assert r.returncode == 0, r.stderr
+        assert ["module", "transformers.models.llama.modeling_llama"] in events, events
+
+
+def test_dry_run_of_operator_servers_sends_gets_only_and_loads_nothing(tmp_path, server):
+    """A vLLM or SGLang server an operator runs: the dry run asks it (reachable, model served)
+    and loads neither the target nor its weights; an unreachable one fails, naming it."""
+    fake = server(api_key=None)
+    write_raw(tmp_path, 4)
+    sg = {"path": "data/raw.jsonl", "format": "sharegpt"}
+    data = {
+        "target": {"model": SMOLLM2},
+        "backends": {
+            "vl": {"kind": "vllm", "url": fake.url},
+            "sg": {"kind": "sglang", "url": fake.url},
+        },
+        "generation": {"backend": "vl", "max_new_tokens": 8, "truncated": "keep"},
+        "datasets": {"v": sg, "s": {**sg, "backend": "sg"}},
+    }
+    setup(tmp_path, data)
+    for ds in ("v", "s"):
+        before = fake.requests
+        r, events = watched(tmp_path, "generate", ds, "--dry-run")
+        assert r.returncode == 0, r.stderr
+        assert events == [] and "not checked" not in r.stdout
+        assert f"backend: {fake.url} reachable; model {fake.model} served" in r.stdout
+        assert "requests to send: 4" in r.stdout and "chat template renders" in r.stdout
+        assert fake.requests - before == 2 and not fake.sent  # two GETs, nothing generated
+    fake.stop()
+    time.sleep(0.1)
+    r, _ = watched(tmp_path, "generate", "v", "--dry-run")
+    assert r.returncode == 2 and "unreachable" in r.stderr and fake.url in r.stderr
+
+
+def test_the_dry_run_finds_the_de_quantized_builtin_where_the_run_puts_it():
+    """The dry run loads the built-in target's tokenizer only once its GGUF is de-quantized,
+    looking where materialize puts it."""
+    from eaglet.model.target import materialize
+    from eaglet.stages.preflight import gguf_converted
+
+    spec = resolve(SMOLLM2)
+    materialize(spec)
+    assert gguf_converted(spec)
+    assert not gguf_converted(type(spec)(spec.name + "-other", "gguf", spec.location))
 
 
 def test_truncated_answers_are_dropped_by_default_and_counted(tmp_path, server):

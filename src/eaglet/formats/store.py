@@ -11,6 +11,13 @@ prompt rejected for good (an API's 4xx that another attempt would repeat, or a p
 for the dataset's `max_length`, never sent) is in `rejections` with its reason: it is not sent
 again and not part of the output. The `runs` table holds a heartbeat of each generation in
 progress, read by `eaglet status`; `lock` keeps one `eaglet generate` per dataset at a time.
+
+Each row records where its answer came from: `origin` (`generated` by `eaglet generate`,
+`imported` by `eaglet import-responses`), the params file (its name) and the dataset that
+stored it. So the project budget can charge a run for what its own params file bought, and
+report imported answers and other params files' beside (`spend`). Stores written before origins
+were recorded gain the columns on first open (one transaction: all of it or none); their rows
+are `imported` where the record says so (`meta.imported`), else `unknown`.
 """
 
 from __future__ import annotations
@@ -23,6 +30,7 @@ import socket
 import sqlite3
 import time
 from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 from eaglet.errors import EagletError
@@ -41,7 +49,10 @@ CREATE TABLE IF NOT EXISTS responses (
     completion_tokens INTEGER,
     cost REAL,
     backend TEXT NOT NULL,
-    updated REAL NOT NULL
+    updated REAL NOT NULL,
+    origin TEXT,
+    params TEXT,
+    dataset TEXT
 );
 CREATE INDEX IF NOT EXISTS responses_backend ON responses (backend, status);
 CREATE TABLE IF NOT EXISTS rejections (
@@ -63,6 +74,27 @@ CREATE TABLE IF NOT EXISTS runs (
     PRIMARY KEY (dataset, key)
 );
 """
+
+
+# Added after the first release: an older store gains them on open (Store._migrate).
+ORIGIN_COLUMNS = {"origin": "TEXT", "params": "TEXT", "dataset": "TEXT"}
+SPEND_INDEX = (
+    "CREATE INDEX IF NOT EXISTS responses_spend "
+    "ON responses (status, origin, params, completion_tokens, cost)"
+)
+# An imported answer's record, as `eaglet import-responses` writes it (canonical JSON).
+IMPORTED_MARK = '"meta":{"imported":true'
+SPEND_PARTS = ("this_run", "other_runs", "imported", "unknown")
+
+
+@dataclass(frozen=True)
+class Origin:
+    """Who stores the answers of a connection: `how` (generated, imported), the params file
+    (its name: the run) and the dataset."""
+
+    how: str
+    params: str | None = None
+    dataset: str | None = None
 
 
 def store_path(root: Path) -> Path:
@@ -101,16 +133,56 @@ def _when_unlocked(statement) -> None:
 
 
 class Store:
-    """One connection to the store (one per process; used from one thread)."""
+    """One connection to the store (one per process; used from one thread). `origin`: who
+    stores its answers (None: not said, recorded as `unknown`)."""
 
-    def __init__(self, path: Path):
-        self.path = Path(path)
+    def __init__(self, path: Path, origin: Origin | None = None):
+        self.path, self.origin = Path(path), origin
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self.db = sqlite3.connect(self.path, timeout=BUSY_TIMEOUT_MS / 1000, isolation_level=None)
         self.db.execute(f"PRAGMA busy_timeout = {BUSY_TIMEOUT_MS}")
         _when_unlocked(lambda: self.db.execute("PRAGMA journal_mode = WAL"))
         self.db.execute("PRAGMA synchronous = NORMAL")  # WAL: survives kill -9, not power loss
         _when_unlocked(lambda: self.db.executescript(_SCHEMA))
+        self.origins = False  # whether the store records origins (see _migrate)
+        _when_unlocked(self._migrate)
+
+    def _migrate(self) -> None:
+        """Give a store written before origins were recorded its origin columns and the spend
+        index, in one transaction (a kill leaves the old store, never half of the new one). Its
+        rows are `imported` where their record says so, else `unknown`. Sets `origins`: whether
+        the store has the columns (not: an old store this process cannot write, read as old)."""
+
+        def done() -> bool:
+            have = {row[1] for row in self.db.execute("PRAGMA table_info(responses)")}
+            index = self.db.execute(
+                "SELECT 1 FROM sqlite_master WHERE type = 'index' AND name = 'responses_spend'"
+            ).fetchone()
+            return set(ORIGIN_COLUMNS) <= have and index is not None
+
+        if done():
+            self.origins = True
+            return
+        try:
+            with self.transaction():
+                if done():  # another process migrated it meanwhile
+                    self.origins = True
+                    return
+                have = {row[1] for row in self.db.execute("PRAGMA table_info(responses)")}
+                for name, kind in ORIGIN_COLUMNS.items():
+                    if name not in have:
+                        self.db.execute(f"ALTER TABLE responses ADD COLUMN {name} {kind}")
+                self.db.execute(
+                    "UPDATE responses SET origin = CASE WHEN instr(result, ?) > 0 "
+                    "THEN 'imported' ELSE 'unknown' END WHERE origin IS NULL",
+                    (IMPORTED_MARK,),
+                )
+                self.db.execute(SPEND_INDEX)
+        except sqlite3.OperationalError as e:
+            if "readonly" not in str(e):
+                raise
+            return
+        self.origins = True
 
     def close(self) -> None:
         self.db.close()
@@ -216,16 +288,20 @@ class Store:
                 fcntl.flock(f, fcntl.LOCK_UN)
 
     def put(self, key: str, backend: str, result: dict) -> None:
-        """Commit one outcome: an answer (`result` without "error") or a failure after retries.
-        A failure never replaces an answer; attempts add up across runs."""
+        """Commit one outcome: an answer (`result` without "error") or a failure after retries,
+        with the connection's origin. A failure never replaces an answer; attempts add up across
+        runs."""
         failed = "error" in result
+        origin = self.origin or Origin("unknown")
         self.db.execute(
             "INSERT INTO responses (key, status, result, error, attempts, completion_tokens, "
-            "cost, backend, updated) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?) "
+            "cost, backend, updated, origin, params, dataset) "
+            "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?) "
             "ON CONFLICT (key) DO UPDATE SET status = excluded.status, result = excluded.result, "
             "error = excluded.error, attempts = responses.attempts + excluded.attempts, "
             "completion_tokens = excluded.completion_tokens, cost = excluded.cost, "
-            "updated = excluded.updated WHERE responses.status = 'failed'",
+            "updated = excluded.updated, origin = excluded.origin, params = excluded.params, "
+            "dataset = excluded.dataset WHERE responses.status = 'failed'",
             (
                 key,
                 "failed" if failed else "ok",
@@ -236,6 +312,9 @@ class Store:
                 None if failed else result.get("cost"),
                 backend,
                 time.time(),
+                origin.how,
+                origin.params,
+                origin.dataset,
             ),
         )
 
@@ -246,6 +325,37 @@ class Store:
             "FROM responses WHERE status = 'ok'"
         ).fetchone()
         return int(tokens), float(cost)
+
+    def spend(self, params: str | None) -> dict:
+        """The answers in the store in four parts, each {"answers", "tokens", "cost"}:
+        `this_run` (generated under the params file named `params`), `other_runs` (generated
+        under other params files, with `by_params`: each one's part), `imported`, and `unknown`
+        (stored before origins were recorded, or by a writer that did not say)."""
+        parts: dict = {p: _zero() for p in SPEND_PARTS}
+        others: dict[str, dict] = {}
+        if self.origins:
+            origin, by, args = "COALESCE(origin, 'unknown')", "params", ()
+        else:  # an old store this process cannot migrate: what its records say
+            origin = "CASE WHEN instr(result, ?) > 0 THEN 'imported' ELSE 'unknown' END"
+            by, args = "NULL", (IMPORTED_MARK,)
+        for how, name, n, tokens, cost in self.db.execute(
+            f"SELECT {origin}, {by}, COUNT(*), COALESCE(SUM(completion_tokens), 0), "
+            "COALESCE(SUM(cost), 0.0) FROM responses WHERE status = 'ok' GROUP BY 1, 2",
+            args,
+        ):
+            if how == "generated":
+                part = "this_run" if name == params else "other_runs"
+            else:
+                part = how if how == "imported" else "unknown"
+            adds = [parts[part]]
+            if part == "other_runs":
+                adds.append(others.setdefault(name or "?", _zero()))
+            for add in adds:
+                add["answers"] += n
+                add["tokens"] += int(tokens)
+                add["cost"] += float(cost)
+        parts["other_runs"]["by_params"] = others
+        return parts
 
     def history(self, backend: str) -> dict:
         """Answers this backend identity gave so far: count, mean tokens, mean cost."""
@@ -290,6 +400,22 @@ class Store:
             "alive": alive,
             **json.loads(progress),
         }
+
+
+def _zero() -> dict:
+    return {"answers": 0, "tokens": 0, "cost": 0.0}
+
+
+def charged(parts: dict, count: str) -> tuple[int, float]:
+    """Completion tokens and dollars the project budget charges (`budget.count`): `this_run`,
+    the answers this params file generated plus those of unknown origin (stored before origins
+    were recorded: every answer counted then, and whose they were is not known), never imported
+    ones nor other params files'; `store`, every answer in the store."""
+    names = SPEND_PARTS if count == "store" else ("this_run", "unknown")
+    return (
+        sum(parts[n]["tokens"] for n in names),
+        sum(parts[n]["cost"] for n in names),
+    )
 
 
 class StoreError(EagletError):

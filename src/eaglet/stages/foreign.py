@@ -20,6 +20,9 @@ the length of `output_ids`, else the file's count (`completion_tokens`, `usage.
 completion_tokens`, `meta_info.completion_tokens`), else counted with the target tokenizer; the
 file's count is kept beside, and the summary gives the drift between the two (the responses
 stage stops past `generation.max_token_drift`).
+
+Imported answers are stored as such (`origin: imported`): the project budget does not charge
+them to a run (`budget.count: this_run`), and the dry run and the sidecars report them beside.
 """
 
 from __future__ import annotations
@@ -34,7 +37,7 @@ from eaglet.formats.grammar import grammar, rename_calls
 from eaglet.formats.io import dumps, read_jsonl
 from eaglet.formats.readers import iter_rows
 from eaglet.formats.records import response_record
-from eaglet.formats.store import Store
+from eaglet.formats.store import Origin, Store
 from eaglet.graph.keys import resolve_stage
 from eaglet.params import Params
 from eaglet.stages.generate import Streams
@@ -183,7 +186,7 @@ def import_file(params: Params, dataset: str, path: Path) -> dict:
 
     summary = {"records": 0, "new": 0, "in_dataset": 0, "completion_tokens": 0, "cost": 0.0}
     schemas: Counter = Counter()
-    store = Store(j.store)
+    store = Store(j.store, Origin("imported", j.params_name, dataset))  # never charged as spend
     try:
         with store.transaction():
             for line, row, error in iter_rows(path):

@@ -15,7 +15,10 @@ the prompt order whose answers fit them. Dispatch follows the order and stops on
 with in-flight answers counted at the mean size seen so far, passes a budget; what is in flight
 finishes and stays in the store. The file is then written from the store alone, so it does not
 depend on timing: the same store gives the same file. The overall `budget:` caps the project's
-spend (every answer in the store): when reached, dispatch stops and the stage fails.
+spend: when reached, dispatch stops and the stage fails (it never shortens an output, so no byte
+depends on it). Spend is what `budget.count` says: `this_run` (the default), the answers this
+params file generated, the store's answers of unknown origin included, never imported answers
+or other params files' (reported beside); `store`, every answer in the store.
 """
 
 from __future__ import annotations
@@ -38,7 +41,7 @@ from eaglet.formats.chat import prompt_ids
 from eaglet.formats.grammar import answer_calls, grammar
 from eaglet.formats.io import dumps, read_json, read_jsonl, write_json, write_jsonl_zst
 from eaglet.formats.records import response_record
-from eaglet.formats.store import Locked, RequestKeys, Store, store_path
+from eaglet.formats.store import Locked, Origin, RequestKeys, Store, charged, store_path
 from eaglet.formats.stream import Drift, Writer
 from eaglet.graph.code import Code
 from eaglet.graph.keys import Keys, Spec, sidecar_of
@@ -97,6 +100,21 @@ class Job:
     truncated: str = "drop"  # drop or keep the answers cut at max_new_tokens
     threads: int | None = None
     quiet: bool = False
+    params_name: str | None = None  # the params file's name: whose spend the answers are
+
+    @property
+    def caps(self) -> dict:
+        """The project budget's caps (`budget.token_budget`, `budget.max_cost_usd`) that apply."""
+        return {k: self.overall[k] for k in ("token_budget", "max_cost_usd") if k in self.overall}
+
+    @property
+    def spend_count(self) -> str:
+        """What the project budget charges (`budget.count`): `this_run` or `store`."""
+        return self.overall.get("count", "this_run")
+
+    def spend(self, store: Store) -> tuple[int, float]:
+        """Completion tokens and dollars charged to the project budget now."""
+        return charged(store.spend(self.params_name), self.spend_count)
 
     def mode_of(self, prompt: dict) -> dict | None:
         """The template arguments `prompt` is answered with, or None (the template's default)."""
@@ -166,6 +184,7 @@ def setup(
         truncated=v.truncated,
         threads=threads,
         quiet=quiet,
+        params_name=params.path.name,
     )
 
 
@@ -181,7 +200,7 @@ class Dispatch:
         self.inflight: dict[str, tuple[int, float]] = {}  # key -> its estimate
         self.flying = [0, 0.0]  # the sum of those estimates
         self.known = [0, 0, 0.0]  # answers seen, their tokens, their cost: the estimates' base
-        self.spent = store.totals()  # the project's spend, for the overall budget
+        self.spent = job.spend(store)  # charged to the project budget (budget.count)
         self.new_spend = [0, 0.0]  # this run's answers since `spent` was read
         self.changed = asyncio.Event()
         self.pending: list[tuple[dict, dict | None]] = []  # outcomes not yet committed
@@ -207,19 +226,20 @@ class Dispatch:
             return "token_budget"
         if j.max_cost_usd is not None and self.cost > j.max_cost_usd:
             return "max_cost_usd"
-        if not sending or not j.overall:
+        caps = j.caps
+        if not sending or not caps:
             return None
         tokens = self.spent[0] + self.new_spend[0] + self.flying[0]
         cost = self.spent[1] + self.new_spend[1] + self.flying[1]
-        if "token_budget" in j.overall and tokens >= j.overall["token_budget"]:
+        if "token_budget" in caps and tokens >= caps["token_budget"]:
             return "budget.token_budget"
-        if "max_cost_usd" in j.overall and cost >= j.overall["max_cost_usd"]:
+        if "max_cost_usd" in caps and cost >= caps["max_cost_usd"]:
             return "budget.max_cost_usd"
         return None
 
     def refresh_spend(self) -> None:
-        """Re-read the project's spend (other processes add to it too)."""
-        self.spent, self.new_spend = self.store.totals(), [0, 0.0]
+        """Re-read the project's spend (other processes of this run add to it too)."""
+        self.spent, self.new_spend = self.job.spend(self.store), [0, 0.0]
 
     def _known(self, tokens: int, cost: float | None) -> None:
         self.known[0] += 1
@@ -574,7 +594,7 @@ def scan(job: Job, store: Store) -> dict:
 def run(spec: Spec[ResponsesSpec], j: Job, out: Path) -> Path:
     """Generate what the store lacks for `j`; write the responses `spec` describes at `out`.
     One generation of a dataset at a time: a second one is refused, naming the first."""
-    store = Store(j.store)
+    store = Store(j.store, Origin("generated", j.params_name, j.dataset))
     try:
         with store.lock(j.dataset):
             return _run(spec, j, out, store, j.threads, j.quiet)
@@ -596,14 +616,46 @@ def _run(spec: Spec, j: Job, out: Path, store: Store, threads: int | None, quiet
         "store_hits": before["ok"],
         "requests_sent": sent,
         "elapsed_s": round(time.monotonic() - t0, 3),
+        "spend": spend_report(j, store),
     }
     try:
         write_output(j, store, out, spec.provenance(), extra)
     except EagletError as e:
         if stopped_by and stopped_by.startswith("budget."):
-            raise EagletError(f"{e} (overall {stopped_by} reached)") from None
+            s = extra["spend"]
+            raise EagletError(
+                f"{e} (overall {stopped_by} reached: {s['charged']['tokens']:,} tokens, "
+                f"${s['charged']['cost']:.4f} charged under budget.count: {s['count']}; "
+                f"{_beside(s)})"
+            ) from None
         raise
     return out
+
+
+def spend_report(j: Job, store: Store) -> dict:
+    """The project's spend as the budget counts it: what is charged (`budget.count`), and the
+    store's answers by origin ({"answers", "tokens", "cost"} each): this params file's
+    (`this_run`), other params files' (`other_runs`), imported, of unknown origin."""
+    parts = store.spend(j.params_name)
+    tokens, cost = charged(parts, j.spend_count)
+    return {
+        "count": j.spend_count,
+        "params": j.params_name,
+        "charged": {"tokens": tokens, "cost": cost},
+        **parts,
+    }
+
+
+def _beside(s: dict) -> str:
+    """The answers a spend report does not charge, in words."""
+    if s["count"] == "store":
+        return "every answer in the store charged"
+    out = []
+    for part, what in (("imported", "imported"), ("other_runs", "of other params files")):
+        p = s[part]
+        if p["answers"]:
+            out.append(f"{p['answers']:,} {what} (${p['cost']:.4f}, {p['tokens']:,} tokens)")
+    return "not charged: " + (", ".join(out) if out else "none")
 
 
 def _dispatch(
@@ -622,7 +674,7 @@ def _dispatch(
             progress.total = progress.done + d.remaining_estimate(misses)
             with contextlib.suppress(sqlite3.Error):  # progress only: a failed answer stops
                 store.run_progress(j.dataset, j.response_key, progress.snapshot())
-            if j.overall:
+            if j.caps:
                 d.refresh_spend()
 
     async def run() -> None:
