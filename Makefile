@@ -1,6 +1,8 @@
 # The two commands a newcomer runs: `make demo` and `make test`. Both set themselves up.
 VENV ?= .venv
 PY := $(VENV)/bin/python
+# the Python the venv is made from: 3.11 or newer (make setup PYTHON=python3.12)
+PYTHON ?= python3
 CORES ?= 2
 # The serving engine: vLLM's CPU build unless CUDA is present (its deps pull CUDA builds of
 # torchvision/torchaudio/torchcodec, which break every vllm import on CPU: removed after install).
@@ -13,7 +15,9 @@ export HF_HUB_OFFLINE := 1
 setup: $(VENV)/.installed
 
 $(VENV)/.installed: pyproject.toml constraints.txt
-	python3 -m venv $(VENV)
+	@$(PYTHON) -c 'import sys; sys.exit(sys.version_info < (3, 11))' || \
+		{ echo "make setup: $(PYTHON) is $$($(PYTHON) --version 2>&1); eaglet needs 3.11 or newer: make setup PYTHON=python3.12" >&2; exit 1; }
+	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip uv
 	$(PY) -m pip install -q torch==2.13.0
 	# uv fetches the rest in parallel and keeps pip's torch (set-up 2.3 min here, 4.3 with pip)

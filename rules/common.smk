@@ -18,6 +18,14 @@ try:
     KEYS = Keys(PARAMS)
 except EagletError as e:
     sys.exit(f"eaglet: error: {e}")
+# eaglet resolves a params file's paths (raw files, data/, models/) against the file's folder,
+# Snakemake its rule outputs against the working directory: they agree only when they are one.
+if str(PARAMS.root.resolve()) != os.path.realpath(os.getcwd()):
+    sys.exit(
+        f"eaglet: error: {PARAMS_FILE}: a params file outside the folder Snakemake runs in "
+        f"({os.getcwd()}): its paths resolve against {PARAMS.root}, the rules' outputs against "
+        "the working directory; put it (and any overlay) at the project's root, or run there"
+    )
 DATASETS = PARAMS.datasets
 DATASET_STAGES = [s.name for s in STAGES.values() if s.kind == "dataset"]
 DRAFTER_STAGES = [s.name for s in STAGES.values() if s.kind == "drafter"]

@@ -20,6 +20,7 @@ LINK = re.compile(r"\]\(([^)\s]+)\)")
 CODE_PATH = re.compile(r"`([A-Za-z0-9_.\-/]+)`")
 TOP = ("src/", "tests/", "benchmarks/", "examples/", "rules/", "docs/", "profiles/", "envs/")
 FILE_ARG = re.compile(r"(?:--params|--target-config|--overlay|params=|overlay=)[\s=]*([\w./-]+)")
+COPIED = re.compile(r"\bcp\s+\S+\s+([\w./-]+)")
 PLACEHOLDER = re.compile(r"[<>{}*$]|\.\.\.")
 
 
@@ -95,8 +96,11 @@ def path_errors(text: str, page: Path, root: Path = ROOT) -> list[str]:
         for p in CODE_PATH.findall(line):
             if p.startswith(TOP) and not PLACEHOLDER.search(p) and not (root / p).exists():
                 errors.append(f"{page.name}:{n}: path '{p}' names nothing")
+    made = {m for _, line in code(text) for m in COPIED.findall(line)}  # the page's `cp X Y`
     for n, line in code(text):
         for p in FILE_ARG.findall(line):
+            if p in made:
+                continue
             if not PLACEHOLDER.search(p) and p[:1].islower() and not (root / p).exists():
                 errors.append(f"{page.name}:{n}: file '{p}' names nothing")
     return errors

@@ -1,3 +1,4 @@
+import shutil
 import subprocess
 import sys
 
@@ -232,10 +233,13 @@ def test_overlay_errors(tmp_path, overlay, expected):
     assert "\n" not in str(e.value)
 
 
-def test_the_shipped_smoke_overlay_is_the_example_cut_down():
-    """examples/kimi-k2.5.smoke.yaml: the production file's stages and backends, smaller."""
-    example = load(ROOT / "examples" / "kimi-k2.5.params.yaml")
-    smoke = load(ROOT / "examples" / "kimi-k2.5.smoke.yaml")
+def test_the_shipped_smoke_overlay_is_the_example_cut_down(tmp_path):
+    """examples/kimi-k2.5.smoke.yaml, copied beside the example as the runbook copies both to
+    the project's root: the production file's stages and backends, smaller."""
+    example = load(
+        shutil.copy(ROOT / "examples" / "kimi-k2.5.params.yaml", tmp_path / "params.yaml")
+    )
+    smoke = load(shutil.copy(ROOT / "examples" / "kimi-k2.5.smoke.yaml", tmp_path / "smoke.yaml"))
     assert smoke.target == example.target and list(smoke.datasets) == list(example.datasets)
     for ds in example.datasets:
         assert smoke.dataset(ds)["max_samples"] <= 50 < example.dataset(ds)["max_samples"]

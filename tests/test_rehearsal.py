@@ -36,7 +36,7 @@ from eaglet.formats.datasets import BadRow, to_messages
 from eaglet.formats.readers import iter_rows
 from eaglet.graph.keys import Keys
 from eaglet.model.target import load_model, load_tokenizer, resolve
-from eaglet.params import load
+from eaglet.params import load, merge_patch
 
 from .conftest import FIXTURES, ROOT
 from .kimi_fixture import operator_engine, tiny_kimi
@@ -95,7 +95,12 @@ def overlay(gen: str, engine: str, spool: Path, base: Path = EXAMPLE) -> str:
         "target": {"model": "target", "max_length": 192, "revision": None},
         "backends": {
             "sglang": {"url": gen, "concurrency": 2, "timeout_s": 60},
-            "openrouter": {"base_url": f"{gen}/v1", "concurrency": 2, "timeout_s": 60},
+            "openrouter": {
+                "base_url": f"{gen}/v1",
+                "model": "target",  # the name the loopback server lists
+                "concurrency": 2,
+                "timeout_s": 60,
+            },
         },
         "generation": {"max_new_tokens": 8, "truncated": "keep"},  # 8 tokens: answers cut
         # the operator's engine here runs fp32 (vLLM's CPU reference MLA kernel)
@@ -153,16 +158,89 @@ def servers(tmp_path_factory):
         yield root, gen, engine, spool
 
 
-def test_the_example_runs_to_the_end(servers):
+RUNBOOK = ROOT / "docs" / "production.md"
+RUN = ("python3 --version", "cp ", "eaglet ", "snakemake ", ".venv/bin/snakemake ")
+# the runbook's lines this test does its own way, and how
+BY_THE_TEST = (
+    ("git clone ", "the project: this checkout's tracked files, its .venv"),
+    ("export HF_HOME=", "the miniature is a local folder"),
+    ("hf download ", "the miniature, written by tests/kimi_fixture.py"),
+    ("export OPENROUTER_API_KEY=", "set in every command's environment"),
+    ("python -m sglang.launch_server ", "the loopback server answers as SGLang and OpenRouter"),
+    ("vllm serve ", "the operator's engine runs for hidden states; serving is not rehearsed"),
+    ("torchrun ", "the line before it, by hand"),
+)
+
+
+def runbook(text: str) -> list[str]:
+    """The commands of a page's indented code blocks, in order; a deeper-indented line or one
+    after a trailing backslash continues the command before it."""
+    cmds: list[str] = []
+    blank, block = True, False
+    for line in text.splitlines():
+        if line.startswith("    ") and (block or blank):
+            block, body = True, line[4:]
+            if cmds and (body.startswith(" ") or cmds[-1].endswith("\\")):
+                cmds[-1] = cmds[-1].removesuffix("\\").rstrip() + " " + body.strip()
+            else:
+                cmds.append(body)
+        elif line.strip():
+            block = False
+        blank = not line.strip()
+    return cmds
+
+
+def edit_params(root: Path, gen: str, engine: str, spool: Path) -> None:
+    """The user's edit of the copied params.yaml: this machine's target, endpoints and sizes."""
+    patch = yaml.safe_load(overlay(gen, engine, spool))
+    patch.pop("extends")
+    data = merge_patch(yaml.safe_load((root / "params.yaml").read_text()), patch)
+    (root / "params.yaml").write_text(yaml.safe_dump(data, sort_keys=False))
+
+
+def raw_responses(root: Path, gen) -> None:
+    """Answers the user already has for B2 (an earlier run's raw_responses.jsonl, OpenAI
+    shape): the target's own, one prompt."""
+    row = next(r for _, r, e in iter_rows(FIXTURES / "formats" / "opencodeinstruct.jsonl"))
+    messages = to_messages(row, "opencodeinstruct")
+    prompt = messages[:-1] if messages[-1]["role"] == "assistant" else messages
+    answer = gen.chat({"model": "target", "messages": prompt, "max_tokens": 8})
+    (root / "raw_responses.jsonl").write_text(json.dumps({"prompt": prompt, **answer}) + "\n")
+
+
+def test_the_runbook_runs_as_printed(servers):
+    """docs/production.md, every command in its code blocks in order, exactly as printed, in a
+    project laid out as its step 0 says; the lines that start GPU servers are this test's
+    servers. Then the real run's artifacts are checked against the servers' own counts."""
     root, gen, engine, spool = servers
+    tracked = subprocess.run(["git", "ls-files", "-z"], cwd=ROOT, capture_output=True, check=True)
+    for name in tracked.stdout.decode().split("\0"):  # the clone: this checkout's files
+        if name and (ROOT / name).is_file():
+            (root / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy(ROOT / name, root / name)
+    (root / ".venv").symlink_to(Path(sys.prefix))
     write_raw(root, EXAMPLE)
-    (root / "smoke.yaml").write_text(overlay(gen.url, engine.url, spool))
-    r = rehearse(root, "smoke.yaml")
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-6000:]
-    params = load(root / "smoke.yaml")
+    raw_responses(root, gen)
+    env = {**os.environ, "OPENROUTER_API_KEY": KEY, "DVC_NO_ANALYTICS": "1"}
+    env["PATH"] = f"{Path(sys.prefix) / 'bin'}{os.pathsep}{env['PATH']}"
+    ran = []
+    for cmd in runbook(RUNBOOK.read_text()):
+        if any(cmd.startswith(p) for p, _ in BY_THE_TEST):
+            continue
+        assert cmd.startswith(RUN), f"docs/production.md: a command this test does not know: {cmd}"
+        r = subprocess.run(
+            ["bash", "-c", cmd], cwd=root, env=env, capture_output=True, text=True, timeout=1800
+        )
+        print(f"$ {cmd}\n{r.stdout}", end="")  # what the runbook's reader sees, shown on failure
+        assert r.returncode == 0, f"{cmd}\n{r.stdout[-3000:]}{r.stderr[-6000:]}"
+        ran.append(cmd)
+        if cmd.startswith("cp examples/kimi-k2.5.params.yaml params.yaml"):
+            edit_params(root, gen.url, engine.url, spool)
+    assert any("params=smoke.yaml" in c for c in ran) and any("--until hidden" in c for c in ran)
+    params = load(root / "params.yaml")
     keys = Keys(params)
     status = subprocess.run(
-        [sys.executable, "-m", "eaglet", "status", "--json", "--params", "smoke.yaml"],
+        [sys.executable, "-m", "eaglet", "status", "--json", "--params", "params.yaml"],
         cwd=root,
         capture_output=True,
         text=True,
