@@ -172,6 +172,12 @@ BY_THE_TEST = (
 )
 
 
+def prefilled(engine) -> float:
+    """The prompt tokens the engine has prefilled since it started (its own counter)."""
+    lines = engine.metrics().splitlines()
+    return sum(float(x.split()[-1]) for x in lines if x.startswith("vllm:prompt_tokens_total"))
+
+
 def runbook(text: str) -> list[str]:
     """The commands of a page's indented code blocks, in order; a deeper-indented line or one
     after a trailing backslash continues the command before it."""
@@ -223,17 +229,22 @@ def test_the_runbook_runs_as_printed(servers):
     raw_responses(root, gen)
     env = {**os.environ, "OPENROUTER_API_KEY": KEY, "DVC_NO_ANALYTICS": "1"}
     env["PATH"] = f"{Path(sys.prefix) / 'bin'}{os.pathsep}{env['PATH']}"
-    ran = []
+    ran, hidden_runs = [], {}
     for cmd in runbook(RUNBOOK.read_text()):
         if any(cmd.startswith(p) for p, _ in BY_THE_TEST):
             continue
         assert cmd.startswith(RUN), f"docs/production.md: a command this test does not know: {cmd}"
+        before = prefilled(engine)
         r = subprocess.run(
             ["bash", "-c", cmd], cwd=root, env=env, capture_output=True, text=True, timeout=1800
         )
         print(f"$ {cmd}\n{r.stdout}", end="")  # what the runbook's reader sees, shown on failure
         assert r.returncode == 0, f"{cmd}\n{r.stdout[-3000:]}{r.stderr[-6000:]}"
         ran.append(cmd)
+        if "--until hidden" in cmd:  # what the engine prefilled for this run's hidden states
+            hidden_runs["smoke.yaml" if "params=smoke.yaml" in cmd else "params.yaml"] = (
+                prefilled(engine) - before
+            )
         if cmd.startswith("cp examples/kimi-k2.5.params.yaml params.yaml"):
             edit_params(root, gen.url, engine.url, spool)
     assert any("params=smoke.yaml" in c for c in ran) and any("--until hidden" in c for c in ran)
@@ -269,20 +280,25 @@ def test_the_runbook_runs_as_printed(servers):
         assert s["stats"]["token_drift"]["records"] == s["stats"]["responses"], d
         assert s["stats"]["token_drift"]["drift"] <= 0.02, d  # the stage's default limit
         assert d == "A1_deepswekimi" or s["stats"]["round_trip"].startswith("vllm"), d
-    # hidden states from the operator's engine: every sequence prefilled there once (and one
-    # probe per dataset), its files read and removed from the spool
-    tokens = 0
-    for ds in params.datasets:
-        manifest = json.loads((keys.path("hidden", ds) / "manifest.json").read_text())
-        assert manifest["last"]["how"].startswith("last layer output from the engine"), ds
-        tokens += sum(s["tokens"] for s in manifest["samples"])
-    prefilled = sum(
-        float(line.split()[-1])
-        for line in engine.metrics().splitlines()
-        if line.startswith("vllm:prompt_tokens_total")
-    )
+    # hidden states from the operator's engine: the smoke run's every sequence prefilled there
+    # once (and one probe per dataset); the real run's samples reused from it or prefilled
     probes = len(PROBE_IDS) * len(params.datasets)  # at most one a dataset
-    assert tokens + len(PROBE_IDS) <= prefilled <= tokens + probes
+    for name in ("smoke.yaml", "params.yaml"):
+        run = load(root / name)
+        run_keys = Keys(run)
+        tokens = computed = 0
+        for ds in run.datasets:
+            manifest = json.loads((run_keys.path("hidden", ds) / "manifest.json").read_text())
+            assert manifest["last"]["how"].startswith("last layer output from the engine"), ds
+            n = json.loads(run_keys.sidecar("hidden", ds).read_text())["stats"]
+            done = n["reused"] + n["computed"] + n["resumed"]
+            assert done == len(manifest["samples"]), (name, ds, n)
+            tokens += sum(s["tokens"] for s in manifest["samples"])
+            computed += n["computed"]
+        if name == "smoke.yaml":  # the first run: nothing to reuse
+            assert computed > 0 and tokens + len(PROBE_IDS) <= hidden_runs[name] <= tokens + probes
+        else:
+            assert hidden_runs[name] <= (tokens + probes if computed else probes), computed
     assert not any(spool.iterdir())
     train = json.loads(keys.sidecar("train", DRAFTER).read_text())
     assert train["provenance"]["params"]["train"]["processes"] == 2
