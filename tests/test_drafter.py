@@ -1,16 +1,21 @@
 """The draft vocab, the drafter's shapes, TTT == chain decoding, and one TTT loss by hand."""
 
 import math
+from dataclasses import replace
 
 import pytest
 import torch
 import torch.nn.functional as F
 
 from eaglet.errors import EagletError
+from eaglet.graph.keys import Keys
+from eaglet.model import arch, target_head
 from eaglet.model import drafter as drafter_module
-from eaglet.model import target_head
 from eaglet.model.drafter import Drafter, DrafterConfig, KVCache
+from eaglet.params import load
 from eaglet.stages import train, vocab
+
+from .conftest import tiny_params, write_params
 
 
 def tiny_config(**kw) -> DrafterConfig:
@@ -29,6 +34,18 @@ def tiny_config(**kw) -> DrafterConfig:
         "aux_layer_ids": (1, 2, 3),
     }
     return DrafterConfig(**(base | kw))
+
+
+def eagle31(cfg: DrafterConfig, seed: int = 0) -> Drafter:
+    """A drafter of `cfg` whose norms are not ones (so that an option's norm, or a norm read
+    by the wrong name, changes its outputs)."""
+    torch.manual_seed(seed)
+    model = Drafter(cfg)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight") or ".norm" in name or "norm." in name:
+                p.uniform_(0.5, 1.5)
+    return model
 
 
 def test_vocab_from_hand_built_counts():
@@ -81,14 +98,20 @@ def test_forward_shapes():
 YARN = {"rope_type": "yarn", "factor": 8.0, "original_max_position_embeddings": 4}
 
 
-@pytest.mark.parametrize("scaling,scores", [(None, None), (YARN, 5)])
-def test_ttt_step_k_is_what_chain_decoding_computes(monkeypatch, scaling, scores):
+ALL_NORMS = dict.fromkeys(arch.NORMS, True)
+
+
+@pytest.mark.parametrize(
+    "scaling,scores,norms",
+    [(None, None, {}), (YARN, 5, {}), (None, None, ALL_NORMS), (None, 5, {"norm_output": True})],
+)
+def test_ttt_step_k_is_what_chain_decoding_computes(monkeypatch, scaling, scores, norms):
     """Training's step k at position t equals decoding: step-0 entries up to t from the target's
-    features, then k chain steps on the (teacher-forced) next tokens. Also with YaRN and with
-    attention cut into chunks of one query row."""
+    features, then k chain steps on the (teacher-forced) next tokens. Also with YaRN, with
+    attention cut into chunks of one query row, and with EAGLE-3.1's options (what a TTT step
+    carries forward is what a decoding step carries)."""
     monkeypatch.setattr(drafter_module, "SCORES", scores or drafter_module.SCORES)
-    torch.manual_seed(1)
-    model = Drafter(tiny_config(rope_scaling=scaling)).eval()
+    model = eagle31(tiny_config(rope_scaling=scaling, **norms), seed=1).eval()
     aux, ids = torch.randn(1, 9, 3, 8), torch.randint(0, 12, (1, 9))
     with torch.no_grad():
         ttt = model(aux, ids, 3)
@@ -249,15 +272,15 @@ def test_argmax_in_draft_vocab_is_kept_per_sample_across_batches(monkeypatch):
     assert torch.equal(cut[0], first[0, :5])
 
 
-@pytest.mark.parametrize("chain", [1, 8])
-def test_chunked_step_has_the_gradients_of_the_unchunked_step(monkeypatch, chain):
+@pytest.mark.parametrize("chain,norms", [(1, {}), (8, {}), (1, ALL_NORMS)])
+def test_chunked_step_has_the_gradients_of_the_unchunked_step(monkeypatch, chain, norms):
     """The training step as train.fit runs a long batch (step 0 whole, then steps 1.. and the
     scores in chunks of 1 or 4 positions of the sequence, the loss in chunks of 3 positions, all
     recomputed in backward) against the plain one: every step's logits and the target's p
-    [B, T, Vd] formed whole and kept. Same loss, same gradients (fp32)."""
-    torch.manual_seed(4)
+    [B, T, Vd] formed whole and kept. Same loss, same gradients (fp32); also with EAGLE-3.1's
+    options, their norms' gradients included."""
     cfg = tiny_config(vocab_size=40, draft_vocab_size=16, hidden_size=16, target_hidden_size=16)
-    model = Drafter(cfg)
+    model = eagle31(replace(cfg, **norms), seed=4)
     model.embed_tokens.weight.normal_()
     t2d = torch.zeros(40, dtype=torch.bool)
     t2d[torch.randperm(40)[:16]] = True
@@ -338,3 +361,52 @@ def test_yarn_frequencies_equal_transformers():
     assert drafter_module.rope_frequencies(128, 50000.0, kimi)[1] == 1.0  # mscale ratio
     plain, one = drafter_module.rope_frequencies(64, 1e4, None)
     assert one == 1.0 and torch.allclose(plain, 1e4 ** -(torch.arange(0, 64, 2) / 64))
+
+
+def test_eagle31_options_enter_the_config_weights_and_key_only_when_set(project):
+    """Each option adds only its own weights (vLLM's names) and config field; left out or false,
+    the drafter is the one trained before the options existed: the same config, state dict and
+    first weights, and the same train key (a true one moves it)."""
+    plain = tiny_config()
+    torch.manual_seed(0)
+    before = Drafter(plain).state_dict()
+    assert plain.to_dict() == DrafterConfig.from_dict(plain.to_dict()).to_dict()
+    assert not set(arch.NORMS) & set(plain.to_dict())
+    added = {
+        "fc_norm": {f"fc_norm.{i}.weight": (8,) for i in range(3)},
+        "norm_before_fc": {"input_norm.weight": (24,)},
+        "norm_before_residual": {},
+        "norm_output": {},
+    }
+    for option, weights in added.items():
+        cfg = tiny_config(**{option: True})
+        assert cfg.to_dict() == plain.to_dict() | {option: True}
+        assert DrafterConfig.from_dict(cfg.to_dict()) == cfg
+        torch.manual_seed(0)
+        state = Drafter(cfg).state_dict()
+        assert {n: tuple(t.shape) for n, t in state.items() if n not in before} == weights
+        assert all(torch.equal(state[n], t) for n, t in before.items())  # the same draws
+
+    text = {
+        "hidden_size": 8,
+        "intermediate_size": 16,
+        "num_attention_heads": 2,
+        "num_key_value_heads": 1,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 1e4,
+        "max_position_embeddings": 64,
+    }
+    base = arch.resolve(text, {}, "t")
+    assert arch.resolve(text, dict.fromkeys(arch.NORMS, False), "t") == base
+    assert arch.resolve(text, {"norm_output": True}, "t") == base | {"norm_output": True}
+
+    data = tiny_params()
+    keys = Keys(load(write_params(project, data)))
+    train_key, export_key = keys.key("train", "d"), keys.key("vllm", "d")
+    data["drafters"]["d"]["arch"] = dict.fromkeys(arch.NORMS, False)
+    assert Keys(load(write_params(project, data))).key("train", "d") == train_key
+    for option in arch.NORMS:
+        data["drafters"]["d"]["arch"] = {option: True}
+        keys = Keys(load(write_params(project, data)))
+        assert keys.spec("train", "d").values.arch[option] is True
+        assert keys.key("train", "d") != train_key and keys.key("vllm", "d") != export_key

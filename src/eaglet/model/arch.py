@@ -12,6 +12,11 @@ out of `arch` takes its default from the target:
 RoPE (`rope_theta`, `rope_scaling`) is the target's in both cases, YaRN included; `rope_scaling:
 null` in `arch` turns scaling off. The hidden size is always the target's: the drafter reads the
 target's frozen embeddings, and SGLang shares them.
+
+EAGLE-3.1's options (NORMS: `fc_norm`, `norm_before_fc`, `norm_before_residual`, `norm_output`;
+eaglet.model.drafter shows their math) are false unless `arch` sets them, whatever the target.
+The resolved arch holds only those set true, so a drafter without them keeps the key (and the
+bytes) it had before they existed.
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ FIELDS = (
     "rope_scaling",
     "max_position_embeddings",
 )
+NORMS = ("fc_norm", "norm_before_fc", "norm_before_residual", "norm_output")
 SCALING_KEYS = (
     "factor",
     "original_max_position_embeddings",
@@ -98,8 +104,10 @@ def target_defaults(text: dict, where: str, prefix: str = "") -> dict:
 
 
 def resolve(text: dict, arch: dict, where: str, prefix: str = "") -> dict:
-    """The drafter's architecture: `arch` (params) over the target's defaults, every field set."""
+    """The drafter's architecture: `arch` (params) over the target's defaults, every field set,
+    and the EAGLE-3.1 options set true."""
     out = target_defaults(text, where, prefix) | {k: v for k, v in arch.items() if k in FIELDS}
+    out |= {k: True for k in NORMS if arch.get(k)}
     if "rope_scaling" not in arch:
         check_scaling(out["rope_scaling"], where, prefix)
     elif arch["rope_scaling"] is not None:  # the schema checked it

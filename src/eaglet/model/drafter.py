@@ -1,14 +1,23 @@
 """The EAGLE-3 drafter: one Llama decoder layer over fused target features, nanoGPT-style.
 
-B batch, T positions, H hidden size (the target's by default), V target vocab, Vd draft vocab.
-At position t a drafting step reads the embedding of the token *after* t and a hidden state:
-at the first step the fused target features fc(cat(low, mid, high)) of position t, at later
-steps the drafter's own output at t from the step before. It predicts the token after that.
+B batch, T positions, H hidden size (the target's by default), V target vocab, Vd draft vocab,
+K aux layers of the target's width Ht. At position t a drafting step reads the embedding of the
+token *after* t and a hidden state: at the first step the fused target features of position t,
+at later steps what the step before carried forward at t. It predicts the token after that.
 
-    x = cat(input_layernorm(embed(token)), hidden_norm(hidden))   # [B, T, 2H]
-    h = hidden + o_proj(attention(x))                             # the residual is the raw hidden
-    h = h + mlp(post_attention_layernorm(h))                      # fed back as the next hidden
-    logits = lm_head(norm(h))                                     # [B, T, Vd]
+    hidden = fc(cat(aux_1, ..., aux_K))                          # first step only
+    x = cat(input_layernorm(embed(token)), hidden_norm(hidden))  # [B, T, 2H]
+    h = hidden + o_proj(attention(x))                            # the residual is the raw hidden
+    h = h + mlp(post_attention_layernorm(h))                     # carried to the next step
+    logits = lm_head(norm(h))                                    # [B, T, Vd]
+
+EAGLE-3.1's options (`arch`, each false by default: the lines above are EAGLE-3 as published),
+read by vLLM from the config fields of the same names (llama_eagle3.py):
+
+    fc_norm:              fc(cat(fc_norm_1(aux_1), ..., fc_norm_K(aux_K)))  # each state normed
+    norm_before_fc:       fc(input_norm(cat(aux_1, ..., aux_K)))            # one norm over all
+    norm_before_residual: h = hidden_norm(hidden) + o_proj(attention(x))
+    norm_output:          norm(h) is carried to the next step (logits = lm_head(norm(h)) still)
 
 Draft id i is target id i + d2t[i]; t2d marks the target ids in the draft vocab. Parameter
 names are SGLang's (`midlayer.*`), so a state dict is an SGLang checkpoint up to the frozen
@@ -27,6 +36,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
+from eaglet.model.arch import NORMS
 from eaglet.model.arch import resolve as resolve_arch
 
 
@@ -45,6 +55,12 @@ class DrafterConfig:
     max_position_embeddings: int
     aux_layer_ids: tuple[int, ...]  # SGLang convention: the output of decoder layer k
     rope_scaling: dict | None = None  # YaRN: {rope_type: yarn, factor, ...}; None: plain RoPE
+    # EAGLE-3.1 (the module doc); a false one is left out of to_dict(): the drafters trained
+    # before these options existed have the same config.json
+    fc_norm: bool = False
+    norm_before_fc: bool = False
+    norm_before_residual: bool = False
+    norm_output: bool = False
 
     @classmethod
     def from_target(
@@ -71,7 +87,7 @@ class DrafterConfig:
     def to_dict(self) -> dict:
         d = asdict(self)
         d["aux_layer_ids"] = list(self.aux_layer_ids)
-        return d
+        return {k: v for k, v in d.items() if k not in NORMS or v}
 
     @classmethod
     def from_dict(cls, d: dict) -> DrafterConfig:
@@ -155,7 +171,8 @@ class KVCache:
 SCORES = 2**24  # attention scores held at once (fp32: 64 MiB), whatever the sequence length
 RECOMPUTE = 2048  # positions (B x T) above which training goes in chunks, recomputed in backward
 CHAIN = 512  # positions (B x T) of one such chunk of TTT steps 1..
-# score(k, states [B, c, H] of TTT step k at positions start.., start) -> tensors to sum
+# score(k, states [B, c, H] that TTT step k carries forward at positions start.., start) -> tensors
+# to sum (Drafter.logits takes such states)
 Score = Callable[[int, Tensor, int], tuple[Tensor, ...]]
 
 
@@ -265,6 +282,7 @@ class DecoderLayer(nn.Module):
         h, eps = cfg.hidden_size, cfg.rms_norm_eps
         self.input_layernorm = RMSNorm(h, eps)  # norms the token embedding
         self.hidden_norm = RMSNorm(h, eps)  # norms the incoming hidden state
+        self.norm_before_residual = cfg.norm_before_residual
         self.self_attn = Attention(cfg)
         self.post_attention_layernorm = RMSNorm(h, eps)
         self.mlp = MLP(cfg)
@@ -272,8 +290,10 @@ class DecoderLayer(nn.Module):
     def forward(
         self, emb: Tensor, hidden: Tensor, pos: Tensor, cache: KVCache, diagonal=None
     ) -> Tensor:
-        x = torch.cat([self.input_layernorm(emb), self.hidden_norm(hidden)], dim=-1)
-        h = hidden + self.self_attn(x, pos, cache, diagonal)
+        emb, normed = self.input_layernorm(emb), self.hidden_norm(hidden)
+        x = torch.cat([emb, normed], dim=-1)
+        residual = normed if self.norm_before_residual else hidden
+        h = residual + self.self_attn(x, pos, cache, diagonal)
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
@@ -282,8 +302,12 @@ class Drafter(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size).requires_grad_(False)
-        n_aux = len(cfg.aux_layer_ids)
-        self.fc = nn.Linear(n_aux * cfg.target_hidden_size, cfg.hidden_size, bias=False)
+        n_aux, th, eps = len(cfg.aux_layer_ids), cfg.target_hidden_size, cfg.rms_norm_eps
+        if cfg.norm_before_fc:  # vLLM's name: input_norm.weight
+            self.input_norm = RMSNorm(n_aux * th, eps)
+        if cfg.fc_norm:  # fc_norm.{i}.weight, one per aux layer
+            self.fc_norm = nn.ModuleList(RMSNorm(th, eps) for _ in range(n_aux))
+        self.fc = nn.Linear(n_aux * th, cfg.hidden_size, bias=False)
         self.midlayer = DecoderLayer(cfg)
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.draft_vocab_size, bias=False)
@@ -295,14 +319,27 @@ class Drafter(nn.Module):
 
     def features(self, aux: Tensor) -> Tensor:
         """Fuse the target's states [B, T, K, Ht] (K aux layers) into a hidden state [B, T, H]."""
-        return self.fc(aux.flatten(-2))
+        x = aux.flatten(-2)  # [B, T, K·Ht]: cat(aux_1, ..., aux_K)
+        if self.cfg.norm_before_fc:  # one norm over the concatenation
+            x = self.input_norm(x)
+        if self.cfg.fc_norm:  # each aux state normed apart (after input_norm, as vLLM does)
+            parts = zip(self.fc_norm, x.chunk(len(self.fc_norm), dim=-1), strict=True)
+            x = torch.cat([norm(a) for norm, a in parts], dim=-1)
+        return self.fc(x)
+
+    def carried(self, h: Tensor) -> Tensor:
+        """What a step carries to the next from the layer's output h: norm(h) under
+        norm_output (EAGLE-3.1), else h itself, the final norm's input (EAGLE-3)."""
+        return self.norm(h) if self.cfg.norm_output else h
 
     def step(self, hidden: Tensor, ids: Tensor, pos: Tensor, cache: KVCache) -> Tensor:
-        """One decoding step over new positions: hidden [B, T, H], next-token ids [B, T]."""
-        return self.midlayer(self.embed_tokens(ids), hidden, pos, cache)
+        """One decoding step over new positions: hidden [B, T, H], next-token ids [B, T]; what
+        it carries forward (`carried`)."""
+        return self.carried(self.midlayer(self.embed_tokens(ids), hidden, pos, cache))
 
     def logits(self, hidden: Tensor) -> Tensor:
-        return self.lm_head(self.norm(hidden))
+        """lm_head(norm(h)) from what a step carried forward (already norm(h) under norm_output)."""
+        return self.lm_head(hidden if self.cfg.norm_output else self.norm(hidden))
 
     def to_target(self, draft_ids: Tensor) -> Tensor:
         return draft_ids + self.d2t[draft_ids]
@@ -312,10 +349,11 @@ class Drafter(nn.Module):
     ) -> list[Tensor] | tuple[Tensor, ...]:
         """Training-time test: `steps` chained drafting steps at every position; per step its
         logits [B, T, Vd], or with `score` the sums over positions of what score(k, states,
-        start) makes of step k's states [B, c, H] (before the final norm) at positions start..
-        (training's loss and hits: a tuple of [steps] tensors).
+        start) makes of the states [B, c, H] step k carries forward at positions start.. (before
+        the final norm, or after it under norm_output: `carried`; training's loss and hits: a
+        tuple of [steps] tensors).
 
-        Step k at position t reads token t+k+1 (teacher-forced) and the step k-1 output at t,
+        Step k at position t reads token t+k+1 (teacher-forced) and what step k-1 carried at t,
         sits at position t+k, and attends to the step-0 keys of positions <= t plus its own
         chain (steps 1..k at t): exactly what chain decoding from position t sees. Its logits
         predict token t+k+2. Tokens past the end read id 0 (the caller masks them).
@@ -369,10 +407,10 @@ class Drafter(nn.Module):
     def ttt_step(
         self, hidden: Tensor, input_ids: Tensor, k: int, *keys: Tensor, start: int = 0
     ) -> tuple:
-        """TTT step k at positions start..start+c from step k-1's output there, hidden [B, c, H],
-        and the keys and values (k0, v0, k1, v1, ...) of step 0 (every position) and of steps
-        1..k-1 (these positions): (its output, its keys, its values). Pure, so that backward can
-        rerun it."""
+        """TTT step k at positions start..start+c from what step k-1 carried there, hidden
+        [B, c, H] (step 0: the fused features), and the keys and values (k0, v0, k1, v1, ...) of
+        step 0 (every position) and of steps 1..k-1 (these positions): (what it carries forward,
+        its keys, its values). Pure, so that backward can rerun it."""
         c, t = hidden.shape[1], input_ids.shape[1]
         ids = F.pad(input_ids[:, k + 1 :], (0, min(k + 1, t)))[:, start : start + c]
         pos = torch.arange(start, start + c, device=input_ids.device) + k
@@ -382,7 +420,7 @@ class Drafter(nn.Module):
             if start + c < t:
                 cache.crop(start + c)
             diagonal = [(keys[i], keys[i + 1]) for i in range(2, len(keys), 2)]
-        hidden = self.midlayer(self.embed_tokens(ids), hidden, pos, cache, diagonal)
+        hidden = self.carried(self.midlayer(self.embed_tokens(ids), hidden, pos, cache, diagonal))
         return hidden, *(diagonal[-1] if k else (cache.k, cache.v))
 
 

@@ -5,10 +5,14 @@ sglang: config.json with architectures ["LlamaForCausalLMEagle3"], vocab_size = 
     draft_vocab_size, num_hidden_layers 1 and the aux layer ids under
     eagle_config.eagle_aux_hidden_state_layer_ids in SGLang's convention (output of layer k);
     model.safetensors with midlayer.*, fc, norm, lm_head, d2t, t2d and no embeddings (SGLang
-    uses the target's).
+    uses the target's). EAGLE-3.1: `fc_norm: true` (tensors fc_norm.{i}.weight) and
+    `norm_output: true` when the drafter has them, as SGLang's llama_eagle3.py reads them since
+    sgl-project/sglang#24663; it has no norm_before_fc or norm_before_residual (it would load
+    such an export and ignore them), so those are refused.
 vllm: the speculators format: speculators_model_type "eagle3", transformer_layer_config, the
-    aux ids at the top level in vLLM's convention (SGLang's + 1), every norm flag written out
-    (vLLM reads a missing norm_before_residual as true); layers.0.* keys, embeddings included.
+    aux ids at the top level in vLLM's convention (SGLang's + 1), every norm flag written out,
+    the drafter's (vLLM reads a missing norm_before_residual as true); layers.0.* keys,
+    embeddings included, and input_norm.weight (norm_before_fc), fc_norm.{i}.weight (fc_norm).
 
 The validator checks every required field and tensor, their shapes and the vocab maps, then
 runs a probe through the reloaded drafter and the trained one and requires the same outputs.
@@ -19,7 +23,7 @@ from __future__ import annotations
 import json
 import os
 import shlex
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
@@ -54,6 +58,7 @@ CODE = Code(
 DTYPE = "bfloat16"  # what both engines serve drafts in
 SPECULATORS_VERSION = "0.3.0"
 NORM_FLAGS = ("norm_before_residual", "norm_before_fc", "fc_norm", "norm_output")
+SGLANG_NORMS = ("fc_norm", "norm_output")  # the EAGLE-3.1 options SGLang's drafter reads
 PROBE_STEPS = 3
 
 
@@ -85,6 +90,12 @@ def layer_config(cfg: DrafterConfig) -> dict:
 
 
 def sglang_config(cfg: DrafterConfig, differs: dict | None = None) -> dict:
+    unserved = [f for f in NORM_FLAGS if getattr(cfg, f) and f not in SGLANG_NORMS]
+    if unserved:
+        raise EagletError(
+            f"export --to sglang: SGLang's EAGLE-3 drafter has no {' or '.join(unserved)} (it "
+            "would load the export and ignore it): export --to vllm, or train without it"
+        )
     out = {
         "architectures": ["LlamaForCausalLMEagle3"],
         **layer_config(cfg),
@@ -97,6 +108,7 @@ def sglang_config(cfg: DrafterConfig, differs: dict | None = None) -> dict:
     }
     if cfg.target_hidden_size != cfg.hidden_size:
         out["target_hidden_size"] = cfg.target_hidden_size
+    out |= {f: True for f in SGLANG_NORMS if getattr(cfg, f)}  # absent: false
     return out | _provenance(differs)
 
 
@@ -125,7 +137,7 @@ def vllm_config(
             None if cfg.target_hidden_size == cfg.hidden_size else cfg.target_hidden_size
         ),
         "eagle_aux_hidden_state_layer_ids": [i + 1 for i in cfg.aux_layer_ids],
-        **dict.fromkeys(NORM_FLAGS, False),
+        **{f: getattr(cfg, f) for f in NORM_FLAGS},
         "embed_requires_grad": False,
         "torch_dtype": DTYPE,
     } | _provenance(differs)
@@ -185,6 +197,11 @@ def expected_shapes(cfg: DrafterConfig, fmt: str) -> dict[str, tuple[int, ...]]:
     }
     if fmt == "vllm":
         shapes["embed_tokens.weight"] = (cfg.vocab_size, h)
+    n, th = len(cfg.aux_layer_ids), cfg.target_hidden_size
+    if cfg.norm_before_fc:
+        shapes["input_norm.weight"] = (n * th,)
+    if cfg.fc_norm:
+        shapes |= {f"fc_norm.{j}.weight": (th,) for j in range(n)}
     return shapes
 
 
@@ -208,9 +225,10 @@ def read_config(folder: Path) -> tuple[str, DrafterConfig]:
         raise EagletError(f"{where}: unreadable: {e}") from None
     if c.get("speculators_model_type") == "eagle3":
         fmt, layer = "vllm", _need(c, "transformer_layer_config", where)
-        for flag in NORM_FLAGS:
-            if _need(c, flag, where) is not False:
-                raise EagletError(f"{where}: {flag} must be false for this drafter")
+        norms = {flag: _need(c, flag, where) for flag in NORM_FLAGS}
+        for flag, value in norms.items():
+            if not isinstance(value, bool):
+                raise EagletError(f"{where}: {flag} must be true or false, not {value!r}")
         ids = [i - 1 for i in _need(c, "eagle_aux_hidden_state_layer_ids", where)]
         target_h = c.get("target_hidden_size") or layer["hidden_size"]
     elif c.get("architectures") == ["LlamaForCausalLMEagle3"]:
@@ -218,6 +236,10 @@ def read_config(folder: Path) -> tuple[str, DrafterConfig]:
         eagle = _need(c, "eagle_config", where)
         ids = _need(eagle, "eagle_aux_hidden_state_layer_ids", where / "eagle_config")
         target_h = c.get("target_hidden_size") or c["hidden_size"]
+        norms = {flag: c.get(flag) is True for flag in SGLANG_NORMS}
+        unread = [f for f in NORM_FLAGS if f not in SGLANG_NORMS and c.get(f)]
+        if unread:
+            raise EagletError(f"{where}: SGLang's EAGLE-3 drafter ignores {', '.join(unread)}")
     else:
         raise EagletError(f"{where}: neither an SGLang EAGLE-3 nor a speculators eagle3 config")
     if _need(layer, "num_hidden_layers", where) != 1:
@@ -233,6 +255,7 @@ def read_config(folder: Path) -> tuple[str, DrafterConfig]:
         aux_layer_ids=tuple(ids),
         rope_scaling=scaling,
         **values,
+        **norms,
     )
     return fmt, cfg
 
@@ -288,11 +311,8 @@ def validate(folder: Path, reference: Drafter) -> dict:
     fmt, model = load_export(folder, reference.embed_tokens.weight)
     ref = reference.cfg
     if model.cfg != ref:
-        diff = {
-            k: (v, ref.to_dict()[k])
-            for k, v in model.cfg.to_dict().items()
-            if ref.to_dict()[k] != v
-        }
+        mine, theirs = asdict(model.cfg), asdict(ref)
+        diff = {k: (v, theirs[k]) for k, v in mine.items() if theirs[k] != v}
         raise EagletError(f"{folder}/config.json: differs from the trained drafter: {diff}")
     # the trained weights as the export stores them (SGLang's embeddings stay the target's)
     stored = {_internal(n): t for n, t in tensors(reference, fmt).items()}
