@@ -8,24 +8,16 @@ from snakemake.utils import min_version
 from eaglet.device import resolve_device
 from eaglet.errors import EagletError
 from eaglet.graph.keys import STAGES, Keys
-from eaglet.params import load
+from eaglet.params import load, run_here
 
 min_version("9.0")
 
 PARAMS_FILE = config.get("params", "params.yaml")
 try:
-    PARAMS = load(PARAMS_FILE)
+    PARAMS = run_here(load(PARAMS_FILE), os.getcwd())
     KEYS = Keys(PARAMS)
 except EagletError as e:
     sys.exit(f"eaglet: error: {e}")
-# eaglet resolves a params file's paths (raw files, data/, models/) against the file's folder,
-# Snakemake its rule outputs against the working directory: they agree only when they are one.
-if str(PARAMS.root.resolve()) != os.path.realpath(os.getcwd()):
-    sys.exit(
-        f"eaglet: error: {PARAMS_FILE}: a params file outside the folder Snakemake runs in "
-        f"({os.getcwd()}): its paths resolve against {PARAMS.root}, the rules' outputs against "
-        "the working directory; put it (and any overlay) at the project's root, or run there"
-    )
 DATASETS = PARAMS.datasets
 DATASET_STAGES = [s.name for s in STAGES.values() if s.kind == "dataset"]
 DRAFTER_STAGES = [s.name for s in STAGES.values() if s.kind == "drafter"]

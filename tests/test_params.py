@@ -7,7 +7,7 @@ import pytest
 from eaglet.errors import EagletError
 from eaglet.params import load
 
-from .conftest import ROOT, write_params
+from .conftest import ROOT, tiny_params, write_params
 
 
 def params_error(tmp_path, text: str) -> str:
@@ -249,3 +249,17 @@ def test_the_shipped_smoke_overlay_is_the_example_cut_down(tmp_path):
     )
     ev = smoke.drafter("kimi_k25_eagle3")["evaluate"]
     assert ev["engine_tensor_parallel_size"] == 8 and ev["num_steps"] == [3]
+
+
+def test_snakemake_runs_only_where_the_params_file_is(tmp_path):
+    """eaglet resolves paths against the params file's folder, Snakemake against its own: a
+    params file elsewhere is refused in one line naming it, one in the folder passes."""
+    from eaglet.params import run_here
+
+    write_params(tmp_path, tiny_params())
+    (tmp_path / "sub").mkdir()
+    shutil.copy(tmp_path / "params.yaml", tmp_path / "sub" / "smoke.yaml")
+    assert run_here(load(tmp_path / "params.yaml"), tmp_path).root == tmp_path
+    with pytest.raises(EagletError, match=r"smoke\.yaml: a params file outside the folder") as e:
+        run_here(load(tmp_path / "sub" / "smoke.yaml"), tmp_path)
+    assert "\n" not in str(e.value)

@@ -203,6 +203,19 @@ def _merged(path: Path, chain: tuple[Path, ...]) -> dict:
     return merge_patch(_merged(parent, (*chain, path)), raw)
 
 
+def run_here(params: Params, folder: str | os.PathLike) -> Params:
+    """`params`, if Snakemake runs in its folder: eaglet resolves a params file's paths (raw
+    files, data/, models/) against the file's folder, Snakemake its rule outputs against the
+    folder it runs in, and they agree only when the two are one."""
+    if params.root.resolve() != Path(folder).resolve():
+        raise EagletError(
+            f"{params.path}: a params file outside the folder Snakemake runs in ({folder}): its "
+            f"paths resolve against {params.root}, the rules' outputs against the working "
+            "directory; put it (and any overlay) at the project's root, or run there"
+        )
+    return params
+
+
 def merge_patch(base: Any, patch: Any) -> Any:
     """RFC 7396: `patch` applied to `base` (neither is modified)."""
     if not isinstance(patch, dict):
