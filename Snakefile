@@ -1,7 +1,8 @@
 # eaglet: prompts -> responses -> hidden states -> drafter -> evaluation, per dataset.
 # params.yaml is the one source of truth; every output sits at a content-keyed path.
 #   snakemake --cores 2                      # build everything params.yaml defines
-# `all` names every keyed artifact: one deleted is rebuilt alone (its consumers read it ancient)
+# `all` names every keyed artifact: one deleted is rebuilt alone (its consumers read it ancient);
+# an evaluation waits, with a warning, until its held-out suite files are there
 #   snakemake --config params=other.yaml -n  # plan another params file
 
 
@@ -17,8 +18,7 @@ include: "rules/export.smk"
 
 rule all:
     input:
-        [keyed(stage, ds) for ds in DATASETS for stage in DATASET_STAGES],
-        [keyed(stage, d) for d in PARAMS.drafters for stage in DRAFTER_STAGES],
+        wanted(),
     default_target: True
 
 

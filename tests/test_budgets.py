@@ -130,6 +130,12 @@ def test_imported_answers_and_other_params_files_are_reported_beside_not_charged
     assert spend["this_run"] == {"answers": 20, "tokens": a_tokens, "cost": pytest.approx(a_cost)}
     assert spend["charged"] == {"tokens": a_tokens, "cost": pytest.approx(a_cost)}
     assert spend["imported"]["answers"] == 10 and spend["other_runs"]["answers"] == 12
+    st = eaglet(tmp_path, "status").stdout.splitlines()  # the same split, under the table
+    assert (
+        f"spend (budget.count: this_run): charged ${a_cost:.4f}, {a_tokens:,} tokens: "
+        in "\n".join(st)
+    )
+    assert "beside, not charged: 10 imported ($10.0000, 70 tokens); 12 of other" in st[-1]
 
     # and the charge holds back this run: another dataset of this file stops at the cap
     more = write_questions(tmp_path, "more.jsonl", 40, "More")

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import sqlite3
 import subprocess
@@ -271,6 +272,45 @@ def test_gc_keeps_current_and_status_flags_other_code(repo):
     finally:
         gen.write_text(old)
     assert "other-code" not in eaglet(repo, "gc", "--dry-run")
+
+
+def test_a_missing_heldout_suite_holds_back_its_evaluation_only(repo):
+    suite = repo / "data" / "heldout" / "natural.jsonl"
+    saved = suite.read_bytes()
+    suite.unlink()
+    try:
+        plan = smk(repo, "-n")
+        waits = "waits for data/heldout/natural.jsonl (drafters.d.evaluate.suites.natural.path)"
+        status = eaglet(repo, "status")
+        keys = eaglet(repo, "keys")
+        refused = subprocess.run(
+            [sys.executable, "-m", "eaglet", "evaluate", "d"],
+            cwd=repo,
+            env={**os.environ, "PYTHONPATH": str(repo / "src")},
+            capture_output=True,
+            text=True,
+        )
+        # the suite arrives with other bytes: the evaluation alone is built again
+        suite.write_bytes(saved.replace(b"?", b"!", 1))
+        assert saved != suite.read_bytes()
+        again = planned(repo)
+    finally:
+        suite.write_bytes(saved)
+    assert "Nothing to be done" in plan and "eaglet: evaluate d left out:" in plan
+    row = next(r for r in status.splitlines() if " evaluate " in r)
+    assert "waiting" in row and waits in row
+    assert other_rows_up_to_date(status, row)
+    assert waits in next(r for r in keys.splitlines() if r.startswith("evaluate "))
+    err = refused.stderr.strip().splitlines()
+    assert refused.returncode == 2 and len(err) == 1 and "natural.jsonl: no such file" in err[0]
+    assert again == {"evaluate": 1, "all": 1}
+    assert planned(repo) == {}
+
+
+def other_rows_up_to_date(status: str, waiting: str) -> bool:
+    """Every artifact row of `eaglet status` but `waiting` is up to date."""
+    rows = [r for r in status.splitlines() if re.search(r"  [0-9a-f]{12}  ", r) and r != waiting]
+    return bool(rows) and all("up to date" in r for r in rows)
 
 
 def test_compare_two_revisions(repo):

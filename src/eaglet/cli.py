@@ -168,6 +168,7 @@ def cmd_status(args: argparse.Namespace) -> None:
 def cmd_keys(args: argparse.Namespace) -> None:
     import json
 
+    from eaglet.errors import AwaitedFile
     from eaglet.graph.artifacts import names
     from eaglet.graph.keys import STAGES, Keys
 
@@ -176,6 +177,19 @@ def cmd_keys(args: argparse.Namespace) -> None:
     rows = []
     for stage, st in STAGES.items():
         for name in names(keys, stage):
+            try:
+                keys.key(stage, name)
+            except AwaitedFile as e:  # no key yet: the row says what it waits for
+                rows.append(
+                    {
+                        "stage": stage,
+                        "name": name,
+                        "kind": st.kind,
+                        "key": "-" * 12,
+                        "path": f"waits for {e.file} ({e.field})",
+                    }
+                )
+                continue
             rel = {
                 "path": os.path.relpath(keys.path(stage, name), params.root),
                 "sidecar": os.path.relpath(keys.sidecar(stage, name), params.root),

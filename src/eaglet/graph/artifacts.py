@@ -14,6 +14,7 @@ import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from eaglet.errors import AwaitedFile
 from eaglet.formats.io import read_json
 from eaglet.graph.keys import STAGES, Keys
 
@@ -55,7 +56,10 @@ def scan(keys: Keys) -> list[Artifact]:
     found = []
     for stage, st in STAGES.items():
         for name in names(keys, stage):
-            current = keys.provenance(stage, name)
+            try:
+                current = keys.provenance(stage, name)
+            except AwaitedFile:  # no key to tell current from other: left as it is
+                continue
             folder = keys.path(stage, name).parent
             if not folder.is_dir():
                 continue

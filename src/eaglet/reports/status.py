@@ -20,6 +20,7 @@ import os
 import re
 import time
 
+from eaglet.errors import AwaitedFile
 from eaglet.formats.io import read_json
 from eaglet.formats.store import Store, store_path
 from eaglet.graph.artifacts import KEY_RE
@@ -28,6 +29,7 @@ from eaglet.params import Params
 from eaglet.progress import BEACON
 from eaglet.reports.compare import _changed, _flat
 from eaglet.stages import regeneration
+from eaglet.stages.generate import scan, setup, spend_lines, spend_report
 
 RUN_FRESH_S = 60.0  # a heartbeat older than this is not a run in progress
 NO_PROVENANCE = "built from other inputs (no provenance to compare)"
@@ -91,7 +93,6 @@ def _log(keys: Keys, stage: str, name: str) -> str | None:
 
 def generation(params: Params, dataset: str, keys: Keys, store: Store | None) -> dict | None:
     """Prompts, answers done and failed, tokens, cost, % of target and the run in progress."""
-    from eaglet.stages.generate import scan, setup
 
     if not keys.path("prompts", dataset).exists():
         return None
@@ -214,6 +215,18 @@ def _row(params: Params, keys: Keys, store, kind: str, name: str, stage: str) ->
     return row
 
 
+def _waiting(kind: str, name: str, stage: str, e: AwaitedFile) -> dict:
+    """The row of an artifact whose key waits for a file only its stage reads."""
+    return {
+        "stage": stage,
+        kind: name,
+        "key": "-" * 12,
+        "path": "-",
+        "state": "waiting",
+        "waiting_for": {"file": e.file, "field": e.field},
+    }
+
+
 def collect(params: Params) -> list[dict]:
     """One row per (stage, dataset): key, path, state, the stats of its sidecar, progress."""
     keys = Keys(params)
@@ -224,7 +237,15 @@ def collect(params: Params) -> list[dict]:
         for kind, names in (("dataset", params.datasets), ("drafter", params.drafters)):
             for name in names:
                 for stage in (s.name for s in STAGES.values() if s.kind == kind):
-                    rows.append(_row(params, keys, store, kind, name, stage))
+                    try:
+                        rows.append(_row(params, keys, store, kind, name, stage))
+                    except AwaitedFile as e:  # no key until the file is there
+                        rows.append(_waiting(kind, name, stage, e))
+        if store is not None:  # the project's, beside each dataset's own
+            spend = spend_report(params.path.name, params.data["budget"]["count"], store)
+            for r in rows:
+                if r.get("generation"):
+                    r["generation"]["spend"] = spend
     finally:
         if store is not None:
             store.close()
@@ -271,6 +292,9 @@ def _details(row: dict) -> str:
         return f"{done or 'started'}; {row['next']}"
     if row["state"] == "damaged":
         return f"{row['damage']}; {row['next']}"
+    if row["state"] == "waiting":
+        w = row["waiting_for"]
+        return f"waits for {w['file']} ({w['field']}): add the file, then build"
     if row["stage"] == "prompts" and st:
         return f"{st['kept']} prompts ({st['bad_rows']} bad rows, {st['duplicates']} duplicates)"
     g = row.get("generation")
@@ -355,9 +379,14 @@ def show(params: Params, as_json: bool = False) -> None:
         print(json.dumps(rows, indent=2))
         return
     width = max(len(r.get("dataset") or r["drafter"]) for r in rows)
+    spend = next(
+        (r["generation"]["spend"] for r in rows if "spend" in (r.get("generation") or {})), None
+    )
     for r in rows:
         name = r.get("dataset") or r["drafter"]
         print(
             f"{name:<{width}}  {r['stage']:<9}  {r['key']}  {r['state']:<10}  "
             f"{_summary(r):<58}  {r['path']}"
         )
+    for line in spend_lines(spend) if spend else []:
+        print(line.removeprefix("  "))

@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from eaglet.device import device_type
-from eaglet.errors import EagletError
+from eaglet.errors import AwaitedFile, EagletError
 from eaglet.formats.hashing import file_digest
 from eaglet.graph.footprint import in_process, in_process_bytes
 from eaglet.graph.keys import Keys, file_key
@@ -57,5 +57,12 @@ def _suite_digest(keys: Keys, suite: dict, where: str) -> str:
     from eaglet.formats.datasets import humaneval_path
 
     if "path" in suite:
+        if not keys.params.resolve(suite["path"]).exists():  # only this stage reads it
+            raise AwaitedFile(
+                f"{keys.params.path}: {where}.path: {suite['path']}: no such file (the evaluate "
+                "stage waits for it)",
+                suite["path"],
+                f"{where}.path",
+            )
         return file_key(keys.params, suite["path"], where)
     return file_digest(humaneval_path())

@@ -616,7 +616,7 @@ def _run(spec: Spec, j: Job, out: Path, store: Store, threads: int | None, quiet
         "store_hits": before["ok"],
         "requests_sent": sent,
         "elapsed_s": round(time.monotonic() - t0, 3),
-        "spend": spend_report(j, store),
+        "spend": spend_report(j.params_name, j.spend_count, store),
     }
     try:
         write_output(j, store, out, spec.provenance(), extra)
@@ -632,15 +632,15 @@ def _run(spec: Spec, j: Job, out: Path, store: Store, threads: int | None, quiet
     return out
 
 
-def spend_report(j: Job, store: Store) -> dict:
+def spend_report(params_name: str | None, count: str, store: Store) -> dict:
     """The project's spend as the budget counts it: what is charged (`budget.count`), and the
     store's answers by origin ({"answers", "tokens", "cost"} each): this params file's
     (`this_run`), other params files' (`other_runs`), imported, of unknown origin."""
-    parts = store.spend(j.params_name)
-    tokens, cost = charged(parts, j.spend_count)
+    parts = store.spend(params_name)
+    tokens, cost = charged(parts, count)
     return {
-        "count": j.spend_count,
-        "params": j.params_name,
+        "count": count,
+        "params": params_name,
         "charged": {"tokens": tokens, "cost": cost},
         **parts,
     }
@@ -656,6 +656,34 @@ def _beside(s: dict) -> str:
         if p["answers"]:
             out.append(f"{p['answers']:,} {what} (${p['cost']:.4f}, {p['tokens']:,} tokens)")
     return "not charged: " + (", ".join(out) if out else "none")
+
+
+def spend_lines(s: dict) -> list[str]:
+    """The project's spend as the budget charges it, and the answers beside it."""
+    if not any(s[p]["answers"] for p in ("this_run", "other_runs", "imported", "unknown")):
+        return []
+
+    def part(p: dict, what: str) -> str:
+        return f"{p['answers']:,} {what} (${p['cost']:.4f}, {p['tokens']:,} tokens)"
+
+    c = s["charged"]
+    head = f"  spend (budget.count: {s['count']}): charged ${c['cost']:.4f}, {c['tokens']:,} tokens"
+    mine = [part(s["this_run"], f"answers generated under {s['params']}")]
+    if s["unknown"]["answers"]:
+        mine.append(part(s["unknown"], "stored before the store recorded origins"))
+    beside = []
+    if s["imported"]["answers"]:
+        beside.append(part(s["imported"], "imported"))
+    others = s["other_runs"]
+    if others["answers"]:
+        names = ", ".join(f"{n} {p['answers']:,}" for n, p in sorted(others["by_params"].items()))
+        beside.append(part(others, f"of other params files: {names}"))
+    if s["count"] == "store":
+        return [f"{head}: every answer in the store: {'; '.join(mine + beside)}"]
+    lines = [f"{head}: {'; '.join(mine)}"]
+    if beside:
+        lines.append(f"  beside, not charged: {'; '.join(beside)}")
+    return lines
 
 
 def _dispatch(

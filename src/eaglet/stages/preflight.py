@@ -21,7 +21,7 @@ from eaglet.errors import EagletError
 from eaglet.formats.store import Store
 from eaglet.graph.keys import resolve_stage
 from eaglet.params import Params
-from eaglet.stages.generate import Job, scan, spend_report
+from eaglet.stages.generate import Job, scan, spend_lines, spend_report
 
 
 def preflight(params: Params, dataset: str) -> dict:
@@ -31,7 +31,7 @@ def preflight(params: Params, dataset: str) -> dict:
     try:
         now = scan(j, store)
         history = store.history(j.keyfn.backend)
-        spend = spend_report(j, store)
+        spend = spend_report(j.params_name, j.spend_count, store)
     finally:
         store.close()
     not_checked: list[str] = []
@@ -228,31 +228,3 @@ def show(report: dict) -> None:
     lines += spend_lines(report["spend"])
     lines += [f"  not checked: {what}" for what in report["not_checked"]]
     print("\n".join(lines))
-
-
-def spend_lines(s: dict) -> list[str]:
-    """The project's spend as the budget charges it, and the answers beside it."""
-    if not any(s[p]["answers"] for p in ("this_run", "other_runs", "imported", "unknown")):
-        return []
-
-    def part(p: dict, what: str) -> str:
-        return f"{p['answers']:,} {what} (${p['cost']:.4f}, {p['tokens']:,} tokens)"
-
-    c = s["charged"]
-    head = f"  spend (budget.count: {s['count']}): charged ${c['cost']:.4f}, {c['tokens']:,} tokens"
-    mine = [part(s["this_run"], f"answers generated under {s['params']}")]
-    if s["unknown"]["answers"]:
-        mine.append(part(s["unknown"], "stored before the store recorded origins"))
-    beside = []
-    if s["imported"]["answers"]:
-        beside.append(part(s["imported"], "imported"))
-    others = s["other_runs"]
-    if others["answers"]:
-        names = ", ".join(f"{n} {p['answers']:,}" for n, p in sorted(others["by_params"].items()))
-        beside.append(part(others, f"of other params files: {names}"))
-    if s["count"] == "store":
-        return [f"{head}: every answer in the store: {'; '.join(mine + beside)}"]
-    lines = [f"{head}: {'; '.join(mine)}"]
-    if beside:
-        lines.append(f"  beside, not charged: {'; '.join(beside)}")
-    return lines
