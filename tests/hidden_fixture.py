@@ -118,8 +118,9 @@ HP = {
 }
 
 
-def fit_tiny(bundle: dict, out: Path, draft_vocab: int = 256, **hp) -> dict:
-    """Train a drafter on a tiny-target bundle with eaglet.stages.train.fit; return its stats."""
+def fit_tiny(bundle: dict, out: Path, draft_vocab: int = 256, init=None, **hp) -> dict:
+    """Train a drafter on a tiny-target bundle with eaglet.stages.train.fit (from the drafter
+    `init`, when given); return its stats."""
     from eaglet.model.drafter import DrafterConfig
     from eaglet.stages import train, vocab
 
@@ -130,7 +131,7 @@ def fit_tiny(bundle: dict, out: Path, draft_vocab: int = 256, **hp) -> dict:
     d2t, t2d = vocab.select(vocab.count_tokens([reader], cfg.vocab_size), draft_vocab)
     every = hp.pop("checkpoint_every", 1000)
     tensors = {"embed": bundle["embed"], "lm_head": bundle["lm_head"], "d2t": d2t, "t2d": t2d}
-    return train.fit([reader], cfg, tensors, HP | hp, out, every, quiet=True)
+    return train.fit([reader], cfg, tensors, HP | hp, out, every, quiet=True, init=init)
 
 
 def bundle(n: int = 20, prompt_len: int = 8, new_tokens: int = 16) -> dict:

@@ -7,6 +7,7 @@ eaglet package on PYTHONPATH, so code edits can be made to it without touching t
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import re
@@ -17,6 +18,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import yaml
 
 from eaglet.graph.keys import Keys
 from eaglet.params import load
@@ -366,6 +368,47 @@ def test_compare_with_a_raw_file_outside_git(repo):
 def test_slurm_profile_dry_run(repo):
     out = smk(repo, "--profile", "profiles/slurm", "-n", "--forceall")
     assert "rule responses" in out and "This was a dry-run" in out
+
+
+def test_a_warm_start_enters_the_key_by_its_bytes_and_is_recorded(repo, tmp_path):
+    """`train.init_from` the drafter's own vLLM export: the train key follows the folder's
+    bytes (a copy elsewhere keeps it, one byte more moves it), the run records what it copied,
+    and `eaglet status` shows it."""
+    params = load(repo / "params.yaml")
+    export = Keys(params).path("vllm", "d")
+    cold_key = Keys(params).key("train", "d")
+    data = yaml.safe_load((repo / "params.yaml").read_text())
+    warm = copy.deepcopy(data)
+    warm["drafters"]["d"]["train"]["init_from"] = os.path.relpath(export, repo)
+    try:
+        write_params(repo, warm)
+        key = Keys(load(repo / "params.yaml")).key("train", "d")
+        elsewhere = tmp_path / "drafter"
+        shutil.copytree(export, elsewhere)
+        warm["drafters"]["d"]["train"]["init_from"] = str(elsewhere)
+        write_params(repo, warm)
+        assert Keys(load(repo / "params.yaml")).key("train", "d") == key != cold_key
+        with open(elsewhere / "config.json", "a") as f:
+            f.write("\n")
+        assert Keys(load(repo / "params.yaml")).key("train", "d") not in (key, cold_key)
+        warm["drafters"]["d"]["train"]["init_from"] = os.path.relpath(export, repo)
+        write_params(repo, warm)
+        eaglet(repo, "train", "d")
+        trained = Keys(load(repo / "params.yaml")).path("train", "d")
+        stats = json.loads(trained.parent.joinpath(f"{trained.name}.json").read_text())["stats"]
+        status = eaglet(repo, "status")
+    finally:
+        write_params(repo, data)
+    vocab = stats["init_from"]["draft_vocab"]
+    assert stats["init_from"] == {
+        "format": "vllm",
+        "rows_copied": vocab,
+        "draft_vocab": vocab,
+        "source_draft_vocab": vocab,
+    }
+    row = next(r for r in status.splitlines() if " train " in r)
+    assert f"warm start from a vllm drafter ({vocab}/{vocab} lm_head rows)" in row
+    assert planned(repo) == {}  # back to the cold params: nothing to build
 
 
 def test_ddp_training_runs_under_torchrun_and_enters_the_key(tmp_path):

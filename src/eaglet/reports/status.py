@@ -344,6 +344,11 @@ def _details(row: dict) -> str:
             if s["share"] is not None
         )
         text = f"{st['steps']} steps, loss {st['final_loss']:.3f}, held-out acc@0 {acc[0]:.2f}"
+        if w := st.get("init_from"):
+            text += (
+                f", warm start from a {w['format']} drafter ({w['rows_copied']}/"
+                f"{w['draft_vocab']} lm_head rows)"
+            )
         return text + (f", supervised {shares}" if shares else "")
     if row["stage"] == "evaluate" and st:
         return _acceptance(st)

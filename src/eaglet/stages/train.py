@@ -47,8 +47,8 @@ from eaglet.model.drafter import Drafter, DrafterConfig, Score, recomputed
 from eaglet.model.target import TargetSpec, load_head, pick_device
 from eaglet.model.target_head import TargetHead, shift
 from eaglet.progress import BEACON, Progress
-from eaglet.stages import drafter_data, vocab
-from eaglet.stages.train_spec import TrainSpec
+from eaglet.stages import drafter_data, vocab, warm_start
+from eaglet.stages.train_spec import TrainSpec, warm_digest
 
 # The code that shapes this stage's bytes (eaglet.graph.code): bump the version when they change.
 CODE = Code(
@@ -77,6 +77,7 @@ CODE = Code(
         "eaglet.stages.drafter_data:collate",
         "eaglet.stages.drafter_data:load",
         "eaglet.stages.vocab:load",
+        "eaglet.stages.warm_start:start_from",
     ),
 )
 
@@ -321,6 +322,7 @@ class Trainer:
     head: TargetHead
     opt: torch.optim.Optimizer
     sched: torch.optim.lr_scheduler.LambdaLR
+    warm: dict | None = None  # what a warm start copied
     rows: list[dict] = field(default_factory=list)
     held_rows: list[dict] = field(default_factory=list)
 
@@ -330,15 +332,21 @@ class Trainer:
 
 
 def make_trainer(
-    cfg: DrafterConfig, tensors: dict[str, Tensor], hp: dict, total: int, run: Run
+    cfg: DrafterConfig,
+    tensors: dict[str, Tensor],
+    hp: dict,
+    total: int,
+    run: Run,
+    init: Drafter | None = None,
 ) -> Trainer:
-    """A seeded drafter with the target's embeddings and the draft vocab maps, AdamW, linear
-    warmup then cosine decay."""
+    """A seeded drafter with the target's embeddings and the draft vocab maps, started from
+    `init`'s weights when given (warm start), AdamW, linear warmup then cosine decay."""
     torch.manual_seed(hp["seed"])
     model = Drafter(cfg)
     model.embed_tokens.weight.copy_(tensors["embed"])
     model.d2t.copy_(tensors["d2t"])
     model.t2d.copy_(tensors["t2d"])
+    warm = warm_start.start_from(model, init) if init is not None else None
     model.to(run.device)
     head = TargetHead(tensors["lm_head"], tensors["t2d"], getattr(torch, run.dtype))
     trainable = [p for p in model.parameters() if p.requires_grad]
@@ -351,7 +359,7 @@ def make_trainer(
     )
     # gradients as views into the all-reduce buckets: no second copy of them
     ddp = DDP(model, gradient_as_bucket_view=True) if run.world > 1 else model
-    return Trainer(model, ddp, head.to(run.device), opt, sched)
+    return Trainer(model, ddp, head.to(run.device), opt, sched, warm)
 
 
 def resume(ckpt: Path, t: Trainer, hp: dict, run: Run) -> int:
@@ -496,13 +504,15 @@ def fit(
     checkpoint_every: int = 100,
     device: str = "auto",
     quiet: bool = False,
+    init: Drafter | None = None,
 ) -> dict:
     """Train a drafter on `readers` with hyperparameters `hp` and write it to `out` (a folder:
     model.safetensors, config.json, metrics.csv, heldout.csv). `tensors` holds the target's
-    embed and lm_head and the vocab maps d2t, t2d. Resumes from `out`'s work folder."""
+    embed and lm_head and the vocab maps d2t, t2d; `init`, a drafter to start from. Resumes
+    from `out`'s work folder."""
     run = Run(hp["dtype"], device)
     steps, long = plan_steps(readers, hp, run)
-    t = make_trainer(cfg, tensors, hp, steps.total, run)
+    t = make_trainer(cfg, tensors, hp, steps.total, run, init)
     work = out.parent / f".{out.name}.work"
     ckpt = work / "checkpoint.pt"
     start = resume(ckpt, t, hp, run)
@@ -551,6 +561,8 @@ def fit(
         "elapsed_s": round(elapsed, 3),
         "tokens_per_s": round(progress.tokens / elapsed, 1) if elapsed > 0 else None,
     }
+    if t.warm is not None:
+        stats["init_from"] = t.warm
     if run.rank == 0:
         save(t.model, out, t.rows, t.held_rows)
         shutil.rmtree(work, ignore_errors=True)
@@ -602,6 +614,7 @@ class Setup:
     checkpoint_every: int
     min_supervised_share: float
     source: str  # the params file, for errors
+    init_from: Path | None = None  # the drafter folder a warm start reads (its bytes: the spec)
     quiet: bool = False
 
 
@@ -622,6 +635,7 @@ def setup(
         settings["checkpoint_every"],
         settings["min_supervised_share"],
         str(params.path),
+        params.resolve(settings["init_from"]) if "init_from" in settings else None,
         quiet,
     )
 
@@ -648,6 +662,13 @@ def run(spec: Spec[TrainSpec], setup: Setup, out: Path) -> Path:
     )
     embed, lm_head = load_head(setup.target)
     hp = v.train | {"heldout_fraction": v.heldout_fraction}
+    init, warm = None, None
+    if setup.init_from is not None:
+        where = f"{setup.source}: drafters.{spec.name}.train.init_from"
+        if warm_digest(setup.init_from, where) != v.train["init_from"]:  # read what is keyed
+            raise EagletError(f"{where}: {setup.init_from} changed since its key was computed")
+        warm, init = warm_start.read(setup.init_from, embed)
+        warm_start.check(cfg, init, f"{where}: {setup.init_from}")
     if pick_device(setup.device).startswith("cuda"):  # on CPU: host memory, no check
         memory = torch.cuda.get_device_properties(0).total_memory
         check_fits(readers, setup.datasets, cfg, hp, memory)
@@ -658,11 +679,21 @@ def run(spec: Spec[TrainSpec], setup: Setup, out: Path) -> Path:
         supervised.check(share, setup.min_supervised_share, spec.name)
         tensors = {"embed": embed, "lm_head": lm_head, "d2t": d2t, "t2d": t2d}
         stats = fit(
-            readers, cfg, tensors, hp, out, setup.checkpoint_every, setup.device, setup.quiet
+            readers,
+            cfg,
+            tensors,
+            hp,
+            out,
+            setup.checkpoint_every,
+            setup.device,
+            setup.quiet,
+            init,
         )
     finally:
         drafter_data.close_readers(readers)
     if int(os.environ.get("RANK", "0")) == 0:
         stats = {**stats, "supervised_share": share}
+        if warm is not None:
+            stats["init_from"] = {"format": warm} | stats["init_from"]
         write_json(sidecar_of(out), {"provenance": spec.provenance(), "stats": stats})
     return out

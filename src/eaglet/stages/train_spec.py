@@ -4,12 +4,16 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 from eaglet.device import device_type, resolve_dtype
+from eaglet.errors import EagletError
+from eaglet.formats.hashing import file_digest
 from eaglet.graph.keys import Keys
 from eaglet.model import arch
 
 NOT_IN_KEY = ("checkpoint_every", "device", "min_supervised_share")  # no output byte
+WARM_FILES = ("config.json", "model.safetensors")  # what a warm start reads of its folder
 
 
 @dataclass(frozen=True)
@@ -29,6 +33,9 @@ def spec_of(keys: Keys, drafter: str) -> tuple[TrainSpec, dict]:
     train["max_length"] = train.get("max_length") or max(map(p.max_length, d["datasets"]))
     train["device"] = device_type(d["train"]["device"])
     train["dtype"] = resolve_dtype(d["train"]["dtype"], d["train"]["device"])
+    if "init_from" in train:  # the starting drafter's bytes, not where it lies
+        where = f"{p.path}: drafters.{drafter}.train.init_from"
+        train["init_from"] = warm_digest(p.resolve(train["init_from"]), where)
     text, where, prefix = keys.target_text_config()
     resolved = arch.resolve(text, d["arch"], where, prefix)
     spec = TrainSpec(
@@ -40,3 +47,16 @@ def spec_of(keys: Keys, drafter: str) -> tuple[TrainSpec, dict]:
     )
     upstream = {"vocab": keys.key("vocab", drafter), "hidden": keys.dataset_keys("hidden", drafter)}
     return spec, upstream
+
+
+def warm_digest(folder: Path, where: str) -> dict:
+    """SHA-256 of each file a warm start reads from `folder` (eaglet.stages.warm_start)."""
+    if not folder.is_dir():
+        raise EagletError(f"{where}: {folder}: no such drafter folder")
+    out = {}
+    for name in WARM_FILES:
+        try:
+            out[name] = file_digest(folder / name)
+        except FileNotFoundError:
+            raise EagletError(f"{where}: {folder}: no {name} (not a drafter folder)") from None
+    return out
