@@ -373,7 +373,7 @@ def test_slurm_profile_dry_run(repo):
 def test_a_warm_start_enters_the_key_by_its_bytes_and_is_recorded(repo, tmp_path):
     """`train.init_from` the drafter's own vLLM export: the train key follows the folder's
     bytes (a copy elsewhere keeps it, one byte more moves it), the run records what it copied,
-    and `eaglet status` shows it."""
+    and `eaglet status` shows it, with the epoch `train.select` kept."""
     params = load(repo / "params.yaml")
     export = Keys(params).path("vllm", "d")
     cold_key = Keys(params).key("train", "d")
@@ -392,6 +392,7 @@ def test_a_warm_start_enters_the_key_by_its_bytes_and_is_recorded(repo, tmp_path
             f.write("\n")
         assert Keys(load(repo / "params.yaml")).key("train", "d") not in (key, cold_key)
         warm["drafters"]["d"]["train"]["init_from"] = os.path.relpath(export, repo)
+        warm["drafters"]["d"]["train"]["select"] = {"by": "offline_acceptance", "num_steps": 2}
         write_params(repo, warm)
         eaglet(repo, "train", "d")
         trained = Keys(load(repo / "params.yaml")).path("train", "d")
@@ -408,6 +409,10 @@ def test_a_warm_start_enters_the_key_by_its_bytes_and_is_recorded(repo, tmp_path
     }
     row = next(r for r in status.splitlines() if " train " in r)
     assert f"warm start from a vllm drafter ({vocab}/{vocab} lm_head rows)" in row
+    sel = stats["selected"]
+    assert sel["by"] == "offline_acceptance" and len(sel["curve"]) == 2
+    kept = f"kept epoch {sel['epoch'] + 1} of 2 (offline acceptance {sel['value']:.3f}, last "
+    assert kept in row
     assert planned(repo) == {}  # back to the cold params: nothing to build
 
 

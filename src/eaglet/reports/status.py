@@ -349,6 +349,11 @@ def _details(row: dict) -> str:
                 f", warm start from a {w['format']} drafter ({w['rows_copied']}/"
                 f"{w['draft_vocab']} lm_head rows)"
             )
+        if sel := st.get("selected"):
+            text += (
+                f", kept epoch {sel['epoch'] + 1} of {len(sel['curve'])} (offline acceptance "
+                f"{sel['value']:.3f}, last {sel['curve'][-1]:.3f})"
+            )
         return text + (f", supervised {shares}" if shares else "")
     if row["stage"] == "evaluate" and st:
         return _acceptance(st)

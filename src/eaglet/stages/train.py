@@ -78,6 +78,9 @@ CODE = Code(
         "eaglet.stages.drafter_data:load",
         "eaglet.stages.vocab:load",
         "eaglet.stages.warm_start:start_from",
+        "eaglet.stages.train:chain_accepted",
+        "eaglet.stages.train:offline_acceptance",
+        "eaglet.stages.train:select",
     ),
 )
 
@@ -245,6 +248,64 @@ def heldout(model: Drafter, readers, refs, hp: dict, head: TargetHead, run: Run)
     return {"loss": (ce / n).tolist(), "acc": (hits / n).tolist(), "positions": int(n[0])}
 
 
+def chain_accepted(model: Drafter, b: dict, steps: int, head: TargetHead, run: Run) -> Tensor:
+    """Per start position of the prepared batch b (token t+1 and t+2 are answer tokens): how
+    many of `steps` chained drafts from t are accepted, each equal to the target's argmax
+    (teacher-forced over the stored states, as greedy chain decoding of the target's own
+    answers sees them). Positions and logits go in chunks, as in training."""
+    masks, last, lm = b["masks"], b["last"].to(run.device), b["loss_mask"]
+    hits = torch.zeros((steps, *lm.shape), dtype=torch.bool, device=run.device)
+    flat = last.flatten(0, 1)
+    index = torch.arange(len(flat), device=run.device).view(last.shape[:2])
+    rows = max(1, target_head.LOGITS // len(head.draft))
+    zero = torch.zeros((), device=run.device)
+
+    def score(k: int, states: Tensor, start: int) -> tuple[Tensor, Tensor]:
+        span = slice(start, start + states.shape[1])
+        mask = masks[k][:, span]
+        where = (index[:, span] + k + 1)[mask]  # the target's next token after draft k
+        same = [
+            model.logits(s).float().argmax(-1) == head.p(flat[w]).argmax(-1)
+            for s, w in zip(states[mask].split(rows), where.split(rows), strict=True)
+        ]
+        hits[k, :, span][mask] = torch.cat(same)
+        return zero, zero
+
+    aux = b["aux"].to(run.device, getattr(torch, run.dtype))
+    with torch.no_grad(), run.autocast():
+        model(aux, b["input_ids"], steps, score)
+    chain = torch.ones_like(lm)
+    count = torch.zeros(lm.shape, dtype=torch.long, device=run.device)
+    for k in range(steps):
+        chain = chain & hits[k]
+        count += chain
+    return count[shift(lm, 1) & shift(lm, 2)].cpu()
+
+
+def offline_acceptance(model: Drafter, readers, refs, hp: dict, head: TargetHead, run) -> float:
+    """Offline acceptance length of `select.num_steps` chained drafts over the samples `refs`:
+    1 + the mean accepted count over every answer start position."""
+    steps = hp["select"]["num_steps"]
+    counts = []
+    for i in range(0, len(refs), hp["batch_size"]):
+        part = refs[i : i + hp["batch_size"]]
+        batch = drafter_data.load(readers, part, hp["max_length"])
+        counts.append(chain_accepted(model, prepare(batch, head, steps, run.device, part), steps,
+                                     head, run))  # fmt: skip
+    n = torch.cat(counts) if counts else torch.zeros(0, dtype=torch.long)
+    return float(1 + n.float().mean()) if len(n) else 1.0
+
+
+def select(t: Trainer, readers, held: list, hp: dict, run: Run, step: int, epoch: int) -> None:
+    """At an epoch end: the offline acceptance on the held-out split goes to the epoch's row of
+    heldout.csv; the weights are kept when it is the best so far (the earliest on a tie)."""
+    value = offline_acceptance(t.model, readers, held, hp, t.head, run)
+    t.held_rows[-1]["offline_acceptance_length"] = value
+    if t.best is None or value > t.best["value"]:
+        state = {k: v.detach().cpu().clone() for k, v in t.model.state_dict().items()}
+        t.best = {"step": step + 1, "epoch": epoch, "value": value, "state": state}
+
+
 @dataclass(eq=False)
 class Steps:
     """Which samples each optimizer step trains on: a function of the seed, the epoch and the
@@ -323,6 +384,7 @@ class Trainer:
     opt: torch.optim.Optimizer
     sched: torch.optim.lr_scheduler.LambdaLR
     warm: dict | None = None  # what a warm start copied
+    best: dict | None = None  # train.select: the best epoch end so far, and its weights
     rows: list[dict] = field(default_factory=list)
     held_rows: list[dict] = field(default_factory=list)
 
@@ -379,7 +441,7 @@ def resume(ckpt: Path, t: Trainer, hp: dict, run: Run) -> int:
     t.sched.load_state_dict(state["scheduler"])
     torch.set_rng_state(state["rng"]["torch"])
     random.setstate(state["rng"]["python"])
-    t.rows, t.held_rows = state["rows"], state["heldout"]
+    t.rows, t.held_rows, t.best = state["rows"], state["heldout"], state.get("best")
     return state["step"]
 
 
@@ -398,6 +460,7 @@ def save_checkpoint(ckpt: Path, t: Trainer, step: int, steps: Steps, hp: dict) -
         "rng": {"torch": torch.get_rng_state(), "python": random.getstate()},
         "rows": t.rows,
         "heldout": t.held_rows,
+        "best": t.best,
     }
     with atomic_path(ckpt) as tmp:
         torch.save(state, tmp)
@@ -538,10 +601,20 @@ def fit(
                 | {f"loss_{k}": v for k, v in enumerate(h["loss"])}
                 | {f"acc_{k}": v for k, v in enumerate(h["acc"])}
             )
+            if "select" in hp:
+                select(t, readers, steps.held, hp, run, step, epoch)
         if (step + 1) % checkpoint_every == 0 and step + 1 < steps.total:
             save_checkpoint(ckpt, t, step + 1, steps, hp)
     progress.close()
     elapsed = time.monotonic() - t0
+    chosen = None
+    if t.best is not None:  # train.select: the best epoch end's weights are the drafter
+        t.model.load_state_dict(t.best["state"])
+        chosen = {k: v for k, v in t.best.items() if k != "state"} | {
+            "by": hp["select"]["by"],
+            "num_steps": hp["select"]["num_steps"],
+            "curve": [r["offline_acceptance_length"] for r in t.held_rows],
+        }
 
     final = None
     if steps.held and run.rank == 0:
@@ -563,6 +636,8 @@ def fit(
     }
     if t.warm is not None:
         stats["init_from"] = t.warm
+    if chosen is not None:
+        stats["selected"] = chosen
     if run.rank == 0:
         save(t.model, out, t.rows, t.held_rows)
         shutil.rmtree(work, ignore_errors=True)

@@ -33,6 +33,8 @@ def spec_of(keys: Keys, drafter: str) -> tuple[TrainSpec, dict]:
     train["max_length"] = train.get("max_length") or max(map(p.max_length, d["datasets"]))
     train["device"] = device_type(d["train"]["device"])
     train["dtype"] = resolve_dtype(d["train"]["dtype"], d["train"]["device"])
+    if train.get("select", {}).get("by") == "last":  # the same weights as no select at all
+        del train["select"]
     if "init_from" in train:  # the starting drafter's bytes, not where it lies
         where = f"{p.path}: drafters.{drafter}.train.init_from"
         train["init_from"] = warm_digest(p.resolve(train["init_from"]), where)
