@@ -1,6 +1,7 @@
-"""Claim (to measure): a drafter continued from the demo drafter (`train.init_from`) for one
+"""Claims (to measure): a drafter continued from the demo drafter (`train.init_from`) for one
 epoch on new data is accepted more often by stock vLLM than one trained from scratch on the
-same data for the same time (the same steps).
+same data for the same time (the same steps); and the demo drafter with its checkpoint chosen by
+offline acceptance (`train.select`) against the demo's own (the last epoch).
 
 On a built demo (`make demo`), through the graph itself (params, snakemake, the evaluate stage):
   1. an overlay of the demo's params (written beside it, `extends: params.yaml`) adds a dataset
@@ -13,7 +14,8 @@ On a built demo (`make demo`), through the graph itself (params, snakemake, the 
   2. `snakemake --config params=OVERLAY` builds them; each drafter's evaluate stage serves its
      vLLM export in stock vLLM (the demo's suites: natural held-out prompts and HumanEval, greedy
      and at 0.7) and reads acceptance from vLLM's counters;
-  3. the table: drafter, seed, train time and steps, held-out top-1, acceptance per suite and
+  3. `demo_selected`: the demo drafter's params with `select: {by: offline_acceptance}`;
+  4. the table: drafter, seed, train time and steps, held-out top-1, acceptance per suite and
      temperature; the demo drafter itself (trained on the demo's questions, 4 epochs) as the
      first row.
 
@@ -60,6 +62,12 @@ def overlay(params_path: Path, new: str, samples: int, seeds: list[int]) -> dict
             "train": train | {"seed": seed, "init_from": warm_from}
         }
         drafters[f"cold_s{seed}"] = drafter | {"train": train | {"seed": seed}}
+    drafters["demo_selected"] = {
+        "datasets": demo["datasets"],
+        "draft_vocab_size": demo["draft_vocab_size"],
+        "train": demo["train"] | {"select": {"by": "offline_acceptance", "num_steps": 3}},
+        "evaluate": demo["evaluate"],
+    }
     return {
         "extends": params_path.name,
         "datasets": {"new_requests": {"path": new, "format": "alpaca", "max_samples": samples}},
@@ -76,8 +84,11 @@ def row(keys: Keys, name: str) -> str:
             if k.startswith("vllm_temperature_"):
                 t = k.removeprefix("vllm_temperature_")
                 acc.append(f"{suite} t={t} " + "/".join(f"{x:.3f}" for x in v.values()))
-    warm = st.get("init_from")
+    warm, sel = st.get("init_from"), st.get("selected")
     start = f"demo drafter ({warm['rows_copied']}/{warm['draft_vocab']} rows)" if warm else "-"
+    if sel:
+        curve = ", ".join(f"{x:.3f}" for x in sel["curve"])
+        start += f"; kept epoch {sel['epoch'] + 1} (offline acceptance by epoch {curve})"
     top1 = (st.get("heldout") or {}).get("acc") or []
     return (
         f"| {name} | {start} | {st['steps']} | {st['elapsed_s']:.0f} s | "
@@ -110,6 +121,7 @@ def main() -> None:
           "vLLM acceptance length (per num_steps) |")  # fmt: skip
     print("|---|---|---|---|---|---|")
     print(row(keys, "demo"))
+    print(row(keys, "demo_selected"))
     for seed in seeds:
         for kind in ("warm", "cold"):
             print(row(keys, f"{kind}_s{seed}"))
