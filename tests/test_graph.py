@@ -408,7 +408,7 @@ def test_a_warm_start_enters_the_key_by_its_bytes_and_is_recorded(repo, tmp_path
         "source_draft_vocab": vocab,
     }
     row = next(r for r in status.splitlines() if " train " in r)
-    assert f"warm start from a vllm drafter ({vocab}/{vocab} lm_head rows)" in row
+    assert f"warm start (vllm format, {vocab}/{vocab} lm_head rows)" in row
     sel = stats["selected"]
     assert sel["by"] == "offline_acceptance" and len(sel["curve"]) == 2
     kept = f"kept epoch {sel['epoch'] + 1} of 2 (offline acceptance {sel['value']:.3f}, last "

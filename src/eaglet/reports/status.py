@@ -346,8 +346,8 @@ def _details(row: dict) -> str:
         text = f"{st['steps']} steps, loss {st['final_loss']:.3f}, held-out acc@0 {acc[0]:.2f}"
         if w := st.get("init_from"):
             text += (
-                f", warm start from a {w['format']} drafter ({w['rows_copied']}/"
-                f"{w['draft_vocab']} lm_head rows)"
+                f", warm start ({w['format']} format, {w['rows_copied']}/{w['draft_vocab']} "
+                "lm_head rows)"
             )
         if sel := st.get("selected"):
             text += (
