@@ -149,19 +149,23 @@ def test_one_generation_per_dataset_at_a_time(tmp_path, fake):
 
 def test_ctrl_c_stops_sending_keeps_what_arrived_and_exits_130(tmp_path, fake):
     server = fake(latency=1.0)
-    write_raw(tmp_path, 200)
+    # 600 answers at 8 in flight take over 75 s: the run cannot end before the signal, even
+    # when a loaded machine starts it slowly
+    write_raw(tmp_path, 600)
     data = api_params(server.url, {"a": {"path": "data/raw.jsonl", "format": "sharegpt"}})
     data["backends"]["api"] |= {"concurrency": 8, "timeout_s": 600, "max_retries": 8}
     setup(tmp_path, data)
     params = load(tmp_path / "params.yaml")
     proc = eaglet_proc(tmp_path, "generate", "a", "--quiet")
-    deadline = time.monotonic() + 60
+    started = time.monotonic()
+    deadline = started + 60
     while paid(server) < 16 and time.monotonic() < deadline:
         time.sleep(0.05)
+    at_signal = f"signal after {time.monotonic() - started:.1f} s, {paid(server)} answers paid"
     proc.send_signal(signal.SIGINT)
     t0 = time.monotonic()
     _, err = proc.communicate(timeout=30)
-    assert proc.returncode == 130 and time.monotonic() - t0 < 5, err
+    assert proc.returncode == 130 and time.monotonic() - t0 < 5, f"{at_signal}: {err}"
     requests = server.requests
     time.sleep(1.5)
     assert server.requests == requests  # nothing sent after the exit
@@ -170,7 +174,7 @@ def test_ctrl_c_stops_sending_keeps_what_arrived_and_exits_130(tmp_path, fake):
     assert m and int(m.group(1)) == kept and paid(server) <= kept + int(m.group(2))
     # every answer the server sent by the interrupt is kept or reported in flight (the last
     # ones may still be on the wire when the signal lands)
-    assert kept + int(m.group(2)) >= 16 and kept > 0 and paid(server) < 200
+    assert kept + int(m.group(2)) >= 16 and kept > 0 and paid(server) < 600
 
 
 def test_prompts_that_cannot_fit_max_length_are_never_sent(tmp_path, fake):
