@@ -57,10 +57,18 @@ def stored(params) -> int:
 
 
 def eaglet_proc(project, *args) -> subprocess.Popen:
+    """eaglet as a terminal starts it: SIGINT at its default even when this test runs in a
+    background job, whose children inherit SIGINT ignored (and rightly keep ignoring it)."""
     env = dict(os.environ, PYTHONPATH=str(ROOT / "src"))
     cmd = [sys.executable, "-m", "eaglet", *args, "--params", str(project / "params.yaml")]
     return subprocess.Popen(
-        cmd, cwd=project, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        cmd,
+        cwd=project,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )
 
 
@@ -149,9 +157,7 @@ def test_one_generation_per_dataset_at_a_time(tmp_path, fake):
 
 def test_ctrl_c_stops_sending_keeps_what_arrived_and_exits_130(tmp_path, fake):
     server = fake(latency=1.0)
-    # 600 answers at 8 in flight take over 75 s: the run cannot end before the signal, even
-    # when a loaded machine starts it slowly
-    write_raw(tmp_path, 600)
+    write_raw(tmp_path, 200)
     data = api_params(server.url, {"a": {"path": "data/raw.jsonl", "format": "sharegpt"}})
     data["backends"]["api"] |= {"concurrency": 8, "timeout_s": 600, "max_retries": 8}
     setup(tmp_path, data)
@@ -174,7 +180,7 @@ def test_ctrl_c_stops_sending_keeps_what_arrived_and_exits_130(tmp_path, fake):
     assert m and int(m.group(1)) == kept and paid(server) <= kept + int(m.group(2))
     # every answer the server sent by the interrupt is kept or reported in flight (the last
     # ones may still be on the wire when the signal lands)
-    assert kept + int(m.group(2)) >= 16 and kept > 0 and paid(server) < 600
+    assert kept + int(m.group(2)) >= 16 and kept > 0 and paid(server) < 200
 
 
 def test_prompts_that_cannot_fit_max_length_are_never_sent(tmp_path, fake):
