@@ -742,12 +742,12 @@ def run(spec: Spec[TrainSpec], setup: Setup, out: Path) -> Path:
     )
     embed, lm_head = load_head(setup.target)
     hp = v.train | {"heldout_fraction": v.heldout_fraction}
-    init, warm = None, None
+    init, init_format = None, None
     if setup.init_from is not None:
         where = f"{setup.source}: drafters.{spec.name}.train.init_from"
         if warm_digest(setup.init_from, where) != v.train["init_from"]:  # read what is keyed
             raise EagletError(f"{where}: {setup.init_from} changed since its key was computed")
-        warm, init = warm_start.read(setup.init_from, embed)
+        init_format, init = warm_start.read(setup.init_from, embed)
         warm_start.check(cfg, init, f"{where}: {setup.init_from}")
     if pick_device(setup.device).startswith("cuda"):  # on CPU: host memory, no check
         memory = torch.cuda.get_device_properties(0).total_memory
@@ -773,7 +773,7 @@ def run(spec: Spec[TrainSpec], setup: Setup, out: Path) -> Path:
         drafter_data.close_readers(readers)
     if int(os.environ.get("RANK", "0")) == 0:
         stats = {**stats, "supervised_share": share}
-        if warm is not None:
-            stats["init_from"] = {"format": warm} | stats["init_from"]
+        if init_format is not None:
+            stats["init_from"] = {"format": init_format} | stats["init_from"]
         write_json(sidecar_of(out), {"provenance": spec.provenance(), "stats": stats})
     return out
