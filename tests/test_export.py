@@ -3,7 +3,6 @@
 import dataclasses
 import json
 import shutil
-import socket
 
 import pytest
 import torch
@@ -17,6 +16,7 @@ from eaglet.stages import export, train
 
 from .hidden_fixture import TINY, sgl_ids, tiny_llama
 from .test_drafter import eagle31
+from .vllm_fixture import vllm_loader
 
 VERIFIER = {"name_or_path": "org/tiny", "architectures": ["LlamaForCausalLM"]}
 LAYER = {
@@ -230,51 +230,14 @@ class CachedAttention(nn.Module):
 @pytest.fixture(scope="module")
 def vllm_drafter(tmp_path_factory):
     """load(export folder): vLLM's own Eagle3LlamaForCausalLM as its loader makes it from a
-    speculators export (the engine config read from config.json, weights by load_weights, then
-    process_weights_after_loading), on CPU in fp32, attention op aside (CachedAttention)."""
-    from vllm.config import set_current_vllm_config
-    from vllm.distributed import init_distributed_environment, initialize_model_parallel
-    from vllm.distributed.parallel_state import (
-        destroy_distributed_environment,
-        destroy_model_parallel,
-    )
-    from vllm.engine.arg_utils import EngineArgs
-    from vllm.model_executor.model_loader.utils import process_weights_after_loading
+    speculators export (tests/vllm_fixture.py), on CPU in fp32, attention op aside
+    (CachedAttention)."""
     from vllm.model_executor.models.llama_eagle3 import Eagle3LlamaForCausalLM
 
     target = tmp_path_factory.mktemp("target") / "tiny"
     tiny_llama(target)
-    started = []
-
-    def load(folder):
-        spec = {"method": "eagle3", "model": str(folder), "num_speculative_tokens": 3}
-        args = EngineArgs(
-            model=str(target),
-            speculative_config=spec,
-            dtype="float32",
-            enforce_eager=True,
-            skip_tokenizer_init=True,
-            max_model_len=512,
-        )
-        config = args.create_engine_config()
-        with set_current_vllm_config(config):
-            if not started:  # one process group of one, for vLLM's parallel layers
-                with socket.socket() as s:
-                    s.bind(("127.0.0.1", 0))
-                    port = s.getsockname()[1]
-                init_distributed_environment(1, 0, f"tcp://127.0.0.1:{port}", 0, "gloo")
-                initialize_model_parallel(1, 1)
-                started.append(True)
-            model = Eagle3LlamaForCausalLM(vllm_config=config)
-            model.load_weights(load_file(str(folder / "model.safetensors")).items())
-            draft = config.speculative_config.draft_model_config
-            process_weights_after_loading(model, draft, torch.device("cpu"))
-        return model.eval(), draft.hf_config
-
-    yield load
-    if started:
-        destroy_model_parallel()
-        destroy_distributed_environment()
+    with vllm_loader(target) as load:
+        yield lambda folder: load(folder, Eagle3LlamaForCausalLM)[:2]
 
 
 @pytest.mark.parametrize(

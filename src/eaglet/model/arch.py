@@ -5,9 +5,10 @@ out of `arch` takes its default from the target:
 
 - Llama-like targets (GQA/MHA attention): the target layer's own sizes, as EAGLE-3 always did.
 - MLA targets (DeepSeek-V3, Kimi-K2/K2.5: `kv_lora_rank` in the config): a plain Llama layer of
-  the published Kimi drafters' shape: the target's head count with heads of width
-  `qk_nope_head_dim` (128; transformers' `head_dim` for MLA is `qk_rope_head_dim`, 64), as many
-  kv heads, the dense MLP's `intermediate_size`.
+  the published Llama Kimi drafters' shape (AQ-MedAI's, lightseekorg's kimi-k2.5-eagle3): the
+  target's head count with heads of width `qk_nope_head_dim` (128; transformers' `head_dim` for
+  MLA is `qk_rope_head_dim`, 64), as many kv heads, the dense MLP's `intermediate_size`; or,
+  with `attention: mla`, an MLA layer (below).
 
 RoPE (`rope_theta`, `rope_scaling`) is the target's in both cases, YaRN included; `rope_scaling:
 null` in `arch` turns scaling off. The hidden size is always the target's: the drafter reads the
@@ -17,6 +18,16 @@ EAGLE-3.1's options (NORMS: `fc_norm`, `norm_before_fc`, `norm_before_residual`,
 eaglet.model.drafter shows their math) are false unless `arch` sets them, whatever the target.
 The resolved arch holds only those set true, so a drafter without them keeps the key (and the
 bytes) it had before they existed.
+
+`attention: mla` (MLA targets only) makes the layer's attention DeepSeek-V3's multi-head latent
+attention, as lightseekorg's `*-eagle3-mla` Kimi drafters have it (vLLM and SGLang serve it as
+`Eagle3DeepseekV2ForCausalLM`): its sizes (MLA: `q_lora_rank`, null for a plain q_proj,
+`kv_lora_rank`, `qk_nope_head_dim`, `qk_rope_head_dim`, `v_head_dim`) are the target's unless
+`arch` sets them, with the target's head count. An MLA layer has no kv heads of its own width:
+`num_key_value_heads` resolves to the head count and `head_dim` to the query/key head width
+(qk_nope_head_dim + qk_rope_head_dim), and `arch` may not set either. Like the norms, `attention`
+and the MLA sizes are in the resolved arch only under `attention: mla`: a Llama layer's key and
+bytes are those of before the option existed.
 """
 
 from __future__ import annotations
@@ -38,6 +49,7 @@ FIELDS = (
     "max_position_embeddings",
 )
 NORMS = ("fc_norm", "norm_before_fc", "norm_before_residual", "norm_output")
+MLA = ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
 SCALING_KEYS = (
     "factor",
     "original_max_position_embeddings",
@@ -108,6 +120,12 @@ def resolve(text: dict, arch: dict, where: str, prefix: str = "") -> dict:
     and the EAGLE-3.1 options set true."""
     out = target_defaults(text, where, prefix) | {k: v for k, v in arch.items() if k in FIELDS}
     out |= {k: True for k in NORMS if arch.get(k)}
+    if arch.get("attention", "llama") == "mla":
+        out |= mla(text, arch, out["num_attention_heads"], where, prefix)
+    elif set(MLA) & set(arch):
+        raise EagletError(
+            f"drafter arch: {', '.join(f for f in MLA if f in arch)}: MLA sizes need attention: mla"
+        )
     if "rope_scaling" not in arch:
         check_scaling(out["rope_scaling"], where, prefix)
     elif arch["rope_scaling"] is not None:  # the schema checked it
@@ -120,6 +138,33 @@ def resolve(text: dict, arch: dict, where: str, prefix: str = "") -> dict:
     return out
 
 
+def mla(text: dict, arch: dict, heads: int, where: str, prefix: str) -> dict:
+    """The resolved fields of an MLA layer (`attention: mla`): the target's MLA sizes under
+    `arch`'s, its kv heads and head_dim implied (see the module doc)."""
+    if not is_mla(text):
+        raise EagletError(
+            f"drafter arch: attention: mla needs an MLA target (kv_lora_rank in its config); "
+            f"{where} has none: use attention: llama"
+        )
+    fixed = [f for f in ("num_key_value_heads", "head_dim") if f in arch]
+    if fixed:
+        raise EagletError(
+            f"drafter arch: {' and '.join(fixed)}: an MLA layer has none of its own (set "
+            "qk_nope_head_dim, qk_rope_head_dim, v_head_dim, kv_lora_rank)"
+        )
+    sizes = {f: text.get(f) for f in MLA} | {f: arch[f] for f in MLA if f in arch}
+    for f in MLA[1:]:  # q_lora_rank may be null: q_proj reads the input directly
+        need(sizes, f, where, prefix)
+    if sizes["qk_rope_head_dim"] % 2:
+        raise EagletError(f"drafter arch: qk_rope_head_dim {sizes['qk_rope_head_dim']} is odd")
+    return {
+        "attention": "mla",
+        **sizes,
+        "num_key_value_heads": heads,
+        "head_dim": sizes["qk_nope_head_dim"] + sizes["qk_rope_head_dim"],
+    }
+
+
 def differs(text: dict, resolved: dict) -> dict:
     """The target's value of every field where the drafter's differs (None: the target has no
     such field, e.g. `head_dim` of an MLA model)."""
@@ -129,4 +174,8 @@ def differs(text: dict, resolved: dict) -> dict:
     target["num_key_value_heads"] = target["num_key_value_heads"] or heads
     if target["head_dim"] is None and not is_mla(text) and heads:
         target["head_dim"] = target["hidden_size"] // heads  # Llama's implicit head size
-    return {f: target[f] for f in FIELDS if target[f] != resolved[f]}
+    fields = FIELDS
+    if resolved.get("attention") == "mla":  # head_dim is implied; the MLA sizes are compared
+        fields = (*(f for f in FIELDS if f != "head_dim"), *MLA)
+        target |= {f: text.get(f) for f in MLA}
+    return {f: target[f] for f in fields if target[f] != resolved[f]}

@@ -19,6 +19,19 @@ read by vLLM from the config fields of the same names (llama_eagle3.py):
     norm_before_residual: h = hidden_norm(hidden) + o_proj(attention(x))
     norm_output:          norm(h) is carried to the next step (logits = lm_head(norm(h)) still)
 
+`attention: mla` (MLA targets: Kimi-K2.5, DeepSeek-V3) puts DeepSeek-V3's multi-head latent
+attention in place of attention(x) above, its projections reading the same 2H-wide x (vLLM's
+and SGLang's Eagle3DeepseekV2ForCausalLM; r = kv_lora_rank, n/p/dv = qk_nope/qk_rope/v head dims):
+
+    q = q_b_proj(q_a_layernorm(q_a_proj(x)))          # [B, T, heads·(n+p)]; q_proj(x) if no q_lora
+    c, k_pe = split(kv_a_proj_with_mqa(x), [r, p])    # the latent (what serving caches) + one key
+    k_nope, v = split(kv_b_proj(kv_a_layernorm(c)))   # per head: [n], [dv]
+    q = cat(q_nope, rope(q_pe)); k = cat(k_nope, rope(k_pe))  # k_pe shared by every head
+    attention = softmax(q·k · scale) v                 # scale: (n+p)^-0.5 x YaRN's mscale^2
+
+RoPE there rotates pairs (x0, x1), (x2, x3), ... (DeepSeek's layout), the rope part only. The
+layer caches the decompressed k and v, so training's TTT runs unchanged.
+
 Draft id i is target id i + d2t[i]; t2d marks the target ids in the draft vocab. Parameter
 names are SGLang's (`midlayer.*`), so a state dict is an SGLang checkpoint up to the frozen
 embeddings. Decoding appends to a KVCache; training runs all steps at once (`forward`).
@@ -36,7 +49,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
-from eaglet.model.arch import NORMS
+from eaglet.model.arch import MLA, NORMS
 from eaglet.model.arch import resolve as resolve_arch
 
 
@@ -61,6 +74,14 @@ class DrafterConfig:
     norm_before_fc: bool = False
     norm_before_residual: bool = False
     norm_output: bool = False
+    # the layer's attention (eaglet.model.arch): "llama", or "mla" with the MLA sizes (left out
+    # of to_dict() for a Llama layer, like a false norm option)
+    attention: str = "llama"
+    q_lora_rank: int | None = None  # None: q_proj reads the input directly
+    kv_lora_rank: int | None = None
+    qk_nope_head_dim: int | None = None
+    qk_rope_head_dim: int | None = None
+    v_head_dim: int | None = None
 
     @classmethod
     def from_target(
@@ -87,6 +108,8 @@ class DrafterConfig:
     def to_dict(self) -> dict:
         d = asdict(self)
         d["aux_layer_ids"] = list(self.aux_layer_ids)
+        if self.attention == "llama":
+            d = {k: v for k, v in d.items() if k not in ("attention", *MLA)}
         return {k: v for k, v in d.items() if k not in NORMS or v}
 
     @classmethod
@@ -148,8 +171,37 @@ def rope(x: Tensor, pos: Tensor, inv_freq: Tensor, factor: float = 1.0) -> Tenso
     return x * cos + torch.cat([-x2, x1], dim=-1) * sin
 
 
+def rope_pairs(x: Tensor, pos: Tensor, inv_freq: Tensor, factor: float = 1.0) -> Tensor:
+    """Rotary position embedding of x [B, heads, T, d] at pos [T] over the pairs (x0, x1),
+    (x2, x3), ...: DeepSeek's MLA layout (vLLM's is_neox_style=False)."""
+    freqs = pos.to(torch.float32)[:, None] * inv_freq[None, :]
+    cos, sin = (freqs.cos() * factor).to(x.dtype), (freqs.sin() * factor).to(x.dtype)
+    x1, x2 = x[..., 0::2], x[..., 1::2]
+    return torch.stack([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).flatten(-2)
+
+
+def yarn_mscale(factor: float, m: float) -> float:
+    return 0.1 * m * math.log(factor) + 1.0 if factor > 1 else 1.0
+
+
+def mla_scales(qk_head_dim: int, scaling: dict | None) -> tuple[float, float]:
+    """(factor on cos/sin, softmax scale) of an MLA layer, as DeepSeek's YaRN has them (vLLM's
+    DeepseekScalingRotaryEmbedding and DeepseekV2MLAAttention, transformers' DeepseekV3):
+    cos/sin by mscale(mscale) / mscale(mscale_all_dim), the scores by (n+p)^-0.5 x
+    mscale(mscale_all_dim)^2 (not when attention_factor is 1: vLLM's deepseek_llama_scaling)."""
+    scale = qk_head_dim**-0.5
+    if scaling is None:
+        return 1.0, scale
+    f, m, m_all = scaling["factor"], scaling.get("mscale") or 1.0, scaling.get("mscale_all_dim")
+    m_all = m_all or 0.0
+    if scaling.get("attention_factor") != 1.0:
+        scale *= yarn_mscale(f, m_all) ** 2
+    return yarn_mscale(f, m) / yarn_mscale(f, m_all), scale
+
+
 class KVCache:
-    """The drafter layer's keys and values so far, each [B, kv_heads, S, head_dim]."""
+    """The drafter layer's keys and values so far, each [B, kv_heads, S, head_dim] (an MLA
+    layer's values: v_head_dim)."""
 
     def __init__(self):
         self.k: Tensor | None = None
@@ -183,16 +235,24 @@ def attend(
     past: int,
     diagonal: list[tuple[Tensor, Tensor]],
     scores: int | None = None,
+    scale: float | None = None,
 ) -> Tensor:
-    """softmax(q·k/√d)·v, causal: query i sits at position past + i and sees the keys at
-    positions <= its own, plus, from each (k, v) pair in `diagonal`, the one key at the query's
-    own index. q [B, h, T, d]; k, v [B, kv_h, S, d]; diagonal pairs [B, kv_h, T, d].
+    """softmax(q·k·scale)·v (scale 1/√d unless given), causal: query i sits at position
+    past + i and sees the keys at positions <= its own, plus, from each (k, v) pair in
+    `diagonal`, the one key at the query's own index. q [B, h, T, d]; k [B, kv_h, S, d], v
+    [B, kv_h, S, dv]; diagonal pairs [B, kv_h, T, d] and [B, kv_h, T, dv].
 
     Queries go in chunks of rows so that at most `scores` (default SCORES) exist at once;
     under autograd, when there is more than one chunk, a chunk's scores are recomputed in
     backward rather than kept, so memory grows linearly with T (compute stays quadratic)."""
     if not diagonal and past == 0 and q.shape[2] == k.shape[2]:  # plain causal: the fused kernel
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        d, dv = q.shape[-1], v.shape[-1]
+        if dv < d:  # MLA: values padded to the key width, else SDPA's T x T fallback kernel runs
+            v = F.pad(v, (0, d - dv))
+            return F.scaled_dot_product_attention(
+                q, k, v, is_causal=True, enable_gqa=True, scale=scale
+            )[..., :dv]
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True, scale=scale)
     groups = q.shape[1] // k.shape[1]
     if groups > 1:  # kv heads repeated to the query heads; the diagonal ones broadcast instead
         k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
@@ -204,18 +264,24 @@ def attend(
         j = min(i + rows, t)
         seen = min(past + j, k.shape[2])  # the last key any query of the chunk may see
         args = (q[:, :, i:j], k[:, :, :seen], v[:, :, :seen], past + i)
-        args += ([x[:, :, i:j] for x in dk], [x[:, :, i:j] for x in dv])
+        args += ([x[:, :, i:j] for x in dk], [x[:, :, i:j] for x in dv], scale)
         out.append(recomputed(_attend_rows, *args) if rows < t else _attend_rows(*args))
     return torch.cat(out, dim=2)
 
 
 def _attend_rows(
-    q: Tensor, k: Tensor, v: Tensor, start: int, dk: list[Tensor], dv: list[Tensor]
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    start: int,
+    dk: list[Tensor],
+    dv: list[Tensor],
+    scale: float | None = None,
 ) -> Tensor:
     """attend() for the queries at positions start.., over keys k, v of the query head count
     and diagonal keys dk, dv of the kv head count (query head i reads kv head i // groups)."""
     b, h, t, d = q.shape
-    scale = d**-0.5
+    scale = d**-0.5 if scale is None else scale
     qpos = torch.arange(t, device=q.device)[:, None] + start
     causal = qpos >= torch.arange(k.shape[2], device=q.device)[None, :]
     scores = [(q @ k.transpose(-2, -1) * scale).masked_fill(~causal, float("-inf"))]
@@ -227,8 +293,25 @@ def _attend_rows(
     out = w[..., :s] @ v
     for j, vd in enumerate(dv):
         wj = w[..., s + j : s + j + 1].view(b, kv, h // kv, t, 1)
-        out = out + (wj * vd[:, :, None]).reshape(b, h, t, d)
+        out = out + (wj * vd[:, :, None]).reshape(b, h, t, vd.shape[-1])
     return out
+
+
+def attend_cached(
+    q: Tensor, k: Tensor, v: Tensor, cache: KVCache, diagonal: list | None, scale=None
+) -> Tensor:
+    """attend() of the new positions' queries q [B, h, T, d] with their keys and values: in
+    decoding, or the first training step (diagonal None), appended to the cache and attended
+    causally; in a later training step, the step-0 keys causally (the queries are the cache's
+    last T positions) and then this position's own chain (`diagonal`, k and v appended)."""
+    if diagonal is None:
+        past = len(cache)
+        keys, values = cache.add(k, v)
+    else:
+        past = len(cache) - q.shape[2]
+        diagonal.append((k, v))
+        keys, values = cache.k, cache.v
+    return attend(q, keys, values, past, diagonal or [], scale=scale)
 
 
 class Attention(nn.Module):
@@ -253,14 +336,53 @@ class Attention(nn.Module):
         v = self.v_proj(x).view(b, t, self.kv_heads, self.head_dim).transpose(1, 2)
         q = rope(q, pos, self.inv_freq, self.rope_factor)
         k = rope(k, pos, self.inv_freq, self.rope_factor)
-        if diagonal is None:  # decoding, or the first training step: causal over the cache
-            past = len(cache)
-            keys, values = cache.add(k, v)
-        else:  # a later training step: step-0 keys causally, then this position's own chain
-            past = len(cache) - t  # the queries are the cache's last t positions
-            diagonal.append((k, v))
-            keys, values = cache.k, cache.v
-        out = attend(q, keys, values, past, diagonal or [])
+        out = attend_cached(q, k, v, cache, diagonal)
+        return self.o_proj(out.transpose(1, 2).reshape(b, t, -1))
+
+
+class MLAttention(nn.Module):
+    """Multi-head latent attention (the module doc), vLLM's parameter names."""
+
+    def __init__(self, cfg: DrafterConfig):
+        super().__init__()
+        h, heads, r = cfg.hidden_size, cfg.num_attention_heads, cfg.kv_lora_rank
+        self.heads, self.q_lora_rank, self.kv_lora_rank = heads, cfg.q_lora_rank, r
+        n, p, dv = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
+        self.nope, self.rope, self.v_dim = n, p, dv
+        inv_freq, _ = rope_frequencies(p, cfg.rope_theta, cfg.rope_scaling)
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+        self.rope_factor, self.scale = mla_scales(n + p, cfg.rope_scaling)
+        if cfg.q_lora_rank is None:
+            self.q_proj = nn.Linear(2 * h, heads * (n + p), bias=False)
+        else:
+            self.q_a_proj = nn.Linear(2 * h, cfg.q_lora_rank, bias=False)
+            self.q_a_layernorm = RMSNorm(cfg.q_lora_rank, cfg.rms_norm_eps)
+            self.q_b_proj = nn.Linear(cfg.q_lora_rank, heads * (n + p), bias=False)
+        self.kv_a_proj_with_mqa = nn.Linear(2 * h, r + p, bias=False)
+        self.kv_a_layernorm = RMSNorm(r, cfg.rms_norm_eps)
+        self.kv_b_proj = nn.Linear(r, heads * (n + dv), bias=False)
+        self.o_proj = nn.Linear(heads * dv, h, bias=False)
+
+    def forward(
+        self, x: Tensor, pos: Tensor, cache: KVCache, diagonal: list | None = None
+    ) -> Tensor:
+        b, t, _ = x.shape
+        if self.q_lora_rank is None:
+            q = self.q_proj(x)
+        else:
+            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+        q = q.view(b, t, self.heads, self.nope + self.rope).transpose(1, 2)
+        q_nope, q_pe = q.split([self.nope, self.rope], dim=-1)
+        latent, k_pe = self.kv_a_proj_with_mqa(x).split([self.kv_lora_rank, self.rope], dim=-1)
+        kv = self.kv_b_proj(self.kv_a_layernorm(latent))
+        kv = kv.view(b, t, self.heads, self.nope + self.v_dim).transpose(1, 2)
+        k_nope, v = kv.split([self.nope, self.v_dim], dim=-1)
+        v = v.contiguous()  # kept values of their own: k_nope's half of kv can be freed
+        q_pe = rope_pairs(q_pe, pos, self.inv_freq, self.rope_factor)
+        k_pe = rope_pairs(k_pe[:, None], pos, self.inv_freq, self.rope_factor)  # one head
+        q = torch.cat([q_nope, q_pe], dim=-1)
+        k = torch.cat([k_nope, k_pe.expand(b, self.heads, t, self.rope)], dim=-1)
+        out = attend_cached(q, k, v, cache, diagonal, self.scale)
         return self.o_proj(out.transpose(1, 2).reshape(b, t, -1))
 
 
@@ -283,7 +405,7 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(h, eps)  # norms the token embedding
         self.hidden_norm = RMSNorm(h, eps)  # norms the incoming hidden state
         self.norm_before_residual = cfg.norm_before_residual
-        self.self_attn = Attention(cfg)
+        self.self_attn = MLAttention(cfg) if cfg.attention == "mla" else Attention(cfg)
         self.post_attention_layernorm = RMSNorm(h, eps)
         self.mlp = MLP(cfg)
 

@@ -24,6 +24,16 @@ attention chunk's working sets, one chunk's TTT steps 1.. (their layers' activat
 outputs, keys and values at CHAIN positions), and the CUDA context and allocator slack
 (OVERHEAD, assumed).
 
+An MLA layer (`attention: mla`, eaglet.model.drafter) reads the same 2H-wide input through
+q_a_proj (or q_proj) and kv_a_proj_with_mqa, norms the q latent (q_lora_rank) and the kv latent
+(kv_lora_rank), and keeps its keys and values decompressed: 2K above becomes heads x (qk_nope +
+qk_rope) + heads x v_head_dim (`keys_values`), and the attention's saved activations are its
+queries (heads x (qk_nope + qk_rope)), its output (heads x v_head_dim), step 0's values padded
+to the key width (SDPA's fused kernel needs one width) and the two latents through their norms.
+So training an MLA layer keeps no fewer key/value bytes a token than a Llama layer of head_dim
+qk_nope (Kimi-K2.5: 20,480 values against 16,384): the latent, kv_lora_rank + qk_rope_head_dim
+(576), is what a serving engine caches a token, not what training keeps.
+
 The derived per-token figure is multiplied by CALIBRATION (see there).
 """
 
@@ -53,10 +63,17 @@ class Shape:
     draft_vocab: int
     vocab: int
     steps: int
+    # an MLA layer (None: a Llama layer); head_dim is then qk_nope + qk_rope (eaglet.model.arch)
+    mla: tuple[int | None, int, int, int] | None = None  # q_lora, kv_lora, qk_rope, v_head_dim
 
     @classmethod
     def of(cls, arch: dict, target_hidden: int, vocab: int, draft_vocab: int, steps: int):
         """From a resolved `drafters.<d>.arch` (eaglet.model.arch.resolve)."""
+        mla = None
+        if arch.get("attention") == "mla":
+            mla = tuple(
+                arch[f] for f in ("q_lora_rank", "kv_lora_rank", "qk_rope_head_dim", "v_head_dim")
+            )
         return cls(
             hidden=arch["hidden_size"],
             target_hidden=target_hidden,
@@ -67,12 +84,29 @@ class Shape:
             draft_vocab=draft_vocab,
             vocab=vocab,
             steps=steps,
+            mla=mla,
         )
 
+    def keys_values(self) -> int:
+        """Values per token of the layer's keys and values together, as training keeps them."""
+        if self.mla is None:
+            return 2 * self.kv_heads * self.head_dim
+        return self.heads * (self.head_dim + self.mla[3])
+
+    def attention_params(self) -> int:
+        """The attention's parameters: Llama's q, k, v, o; MLA's projections and two norms."""
+        h, a = self.hidden, self.heads * self.head_dim
+        if self.mla is None:
+            return 2 * h * (a + 2 * self.kv_heads * self.head_dim) + a * h
+        q_lora, r, rope, v = self.mla
+        q = 2 * h * a if q_lora is None else 2 * h * q_lora + q_lora + q_lora * a
+        nope = self.head_dim - rope
+        return q + 2 * h * (r + rope) + r + r * self.heads * (nope + v) + self.heads * v * h
+
     def trainable(self) -> int:
-        """Parameters trained: fc, the layer (q, k, v, o, MLP, three norms), norm, lm_head."""
-        h, a, k = self.hidden, self.heads * self.head_dim, self.kv_heads * self.head_dim
-        attn = 2 * h * (a + 2 * k) + a * h
+        """Parameters trained: fc, the layer (attention, MLP, three norms), norm, lm_head."""
+        h = self.hidden
+        attn = self.attention_params()
         return (
             3 * self.target_hidden * h
             + attn
@@ -94,12 +128,20 @@ def layer_bytes(s: Shape, dtype: str) -> float:
     bf16 = a < f
     embedding = 2 * h * f  # fp32 embedding and its normalised copy
     norms = 2 * (h * a + (h * f if bf16 else 0))  # hidden_norm, post-attention: input in fp32
-    inputs = 3 * 2 * h * a if bf16 else 2 * h * f  # q/k/v read cat(...): cast thrice, or as is
     mlp_in = 2 * h * a if bf16 else h * f  # gate and up read the post-attention norm
-    attention = 2 * q * a  # rotated queries, the output reshaped for o_proj
-    repeats = 0 if q == kv else 4 * q * a  # GQA: step-0 keys, values per query head; grads
     mlp = 4 * i * a + 3 * i * a  # gate, up, silu, product; then their gradients in backward
     residual = h * a + 2 * h * f  # the attention residual; gradient transients
+    if s.mla is not None:
+        q_lora, r, _, v = s.mla
+        inputs = 2 * 2 * h * a if bf16 else 2 * h * f  # q_a (or q), kv_a read cat: cast twice
+        # each latent: its norm's fp32 input and output, and the projection's input (q_b, kv_b)
+        latents = sum(2 * w * a + (w * f if bf16 else 0) for w in (q_lora or 0, r) if w)
+        attention = q * a + s.heads * v * a  # queries (rope part rotated), output for o_proj
+        attention += (q - s.heads * v) * a  # values padded to the key width (SDPA's fused kernel)
+        return embedding + norms + inputs + mlp_in + latents + attention + mlp + residual
+    inputs = 3 * 2 * h * a if bf16 else 2 * h * f  # q/k/v read cat(...): cast thrice, or as is
+    attention = 2 * q * a  # rotated queries, the output reshaped for o_proj
+    repeats = 0 if q == kv else 4 * q * a  # GQA: step-0 keys, values per query head; grads
     return embedding + norms + inputs + mlp_in + attention + repeats + mlp + residual
 
 
@@ -107,13 +149,13 @@ def per_token(s: Shape, dtype: str, host_batch: bool = False) -> float:
     """Derived bytes per token of one micro-batch (before CALIBRATION). host_batch: the
     collated batch lives in the same memory (CPU training), fp32."""
     a, h = act_bytes(dtype), s.hidden
-    kv = s.kv_heads * s.head_dim
+    kv = s.keys_values()
     inputs = 3 * s.target_hidden * a + 4 * s.target_hidden
     if host_batch:  # fp32 aux and final states collated; on CPU fp32 they are the same tensors
         inputs = 16 * s.target_hidden + (3 * s.target_hidden * a if a != 4 else 0)
-    kept = (2 * h + 2 * kv) * a  # fused features; step 0's output, keys, values
-    chunks = (h + 4 * kv) * a  # gradients of step 0's output, keys and values (twice)
-    first = (h + 2 * kv) * a + layer_bytes(s, dtype)  # the same gradients; step 0's layer
+    kept = (2 * h + kv) * a  # fused features; step 0's output, keys, values
+    chunks = (h + 2 * kv) * a  # gradients of step 0's output, keys and values (twice)
+    first = (h + kv) * a + layer_bytes(s, dtype)  # the same gradients; step 0's layer
     return inputs + kept + max(chunks, first)
 
 
@@ -121,8 +163,7 @@ def fixed_bytes(s: Shape, dtype: str) -> dict[str, float]:
     """The fixed part, itemised (bytes)."""
     p = s.trainable()
     rows = max(1, LOGITS // s.draft_vocab)
-    kv = s.kv_heads * s.head_dim
-    chain_step = layer_bytes(s, dtype) + (2 * s.hidden + 2 * kv) * act_bytes(dtype)
+    chain_step = layer_bytes(s, dtype) + (2 * s.hidden + s.keys_values()) * act_bytes(dtype)
     return {
         "weights (fp32)": 4 * p,
         "gradients (fp32)": 4 * p,

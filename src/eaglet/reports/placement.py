@@ -35,7 +35,7 @@ from urllib.parse import urlparse
 
 from eaglet.graph import footprint
 from eaglet.graph.keys import Keys
-from eaglet.model import arch
+from eaglet.model import arch, train_memory
 
 ENGINE_FRACTION = 0.9
 GB = 1e9  # file sizes as published (554 GB of weights)
@@ -71,14 +71,12 @@ def weights_bytes(text: dict, plan: dict) -> float:
 
 
 def drafter_parameters(text: dict, resolved: dict, draft_vocab: int) -> tuple[int, int]:
-    """(trained parameters, frozen embeddings) of an EAGLE-3 drafter: fc 3H->H, one Llama layer
-    on [embedding; hidden] (2H in), its MLP, the draft lm_head; the embeddings are the target's."""
-    h = text["hidden_size"]
-    q = resolved["num_attention_heads"] * resolved["head_dim"]
-    kv = resolved["num_key_value_heads"] * resolved["head_dim"]
-    layer = 2 * h * (q + 2 * kv) + q * h + 3 * h * resolved["intermediate_size"]
-    norms = 4 * h  # input, hidden, post-attention, final
-    return 3 * h * h + layer + norms + draft_vocab * h, text["vocab_size"] * h
+    """(trained parameters, frozen embeddings) of an EAGLE-3 drafter: fc 3H->H, one decoder layer
+    on [embedding; hidden] (2H in; Llama or MLA attention), its MLP, the norms, the draft lm_head
+    (eaglet.model.train_memory's count); the embeddings are the target's."""
+    h, vocab = text["hidden_size"], text["vocab_size"]
+    shape = train_memory.Shape.of(resolved, h, vocab, draft_vocab, steps=1)
+    return shape.trainable(), vocab * h
 
 
 def _where_backend(name: str, cfg: dict, gpus: int | None) -> tuple[str, int | None]:

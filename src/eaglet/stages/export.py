@@ -14,6 +14,22 @@ vllm: the speculators format: speculators_model_type "eagle3", transformer_layer
     the drafter's (vLLM reads a missing norm_before_residual as true); layers.0.* keys,
     embeddings included, and input_norm.weight (norm_before_fc), fc_norm.{i}.weight (fc_norm).
 
+An MLA drafter (`attention: mla`) is served by both engines as Eagle3DeepseekV2ForCausalLM
+(vLLM 0.32's deepseek_eagle3.py; SGLang's models/deepseek_eagle3.py), from one DeepSeek-V3 layer
+config (`mla_layer_config`), not the speculators format (speculators knows llama and qwen3
+layers only). Its model_type is "kimi_k2" (vLLM's config registry reads it as DeepseekV3Config;
+recent SGLang registers the same alias), not "deepseek_v3": vLLM 0.32 turns a draft config of
+model_type deepseek_v3 into its MTP model.
+Weights under vLLM's/SGLang's names (q_a_proj and kv_a_proj_with_mqa apart: both engines fuse
+them on load).
+    vllm: the aux ids at the top level (vLLM's convention), `num_aux_hidden_states`, the three
+        norm flags vLLM's class reads (fc_norm, norm_output, norm_before_residual; it has no
+        input_norm, so norm_before_fc is refused); layers.0.* keys, embeddings included. A
+        layer without q_lora_rank is refused: vLLM 0.32's loader cannot place its
+        kv_a_proj_with_mqa (it maps the name into fused_qkv_a_proj, absent then).
+    sglang: the aux ids under eagle_config (SGLang's convention); midlayer.* keys, no
+        embeddings; SGLang's class reads none of EAGLE-3.1's options, so all four are refused.
+
 The validator checks every required field and tensor, their shapes and the vocab maps, then
 runs a probe through the reloaded drafter and the trained one and requires the same outputs.
 """
@@ -34,7 +50,7 @@ from eaglet.formats.atomic import atomic_path
 from eaglet.formats.io import read_json, write_json
 from eaglet.graph.code import Code
 from eaglet.graph.keys import Keys, Spec, sidecar_of
-from eaglet.model.arch import FIELDS, rope
+from eaglet.model.arch import FIELDS, MLA, rope
 from eaglet.model.drafter import Drafter, DrafterConfig
 from eaglet.stages import train
 from eaglet.stages.export_spec import ExportSpec
@@ -44,6 +60,8 @@ CODE = Code(
     version=1,
     kernel=(
         "eaglet.stages.export:layer_config",
+        "eaglet.stages.export:mla_layer_config",
+        "eaglet.stages.export:mla_config",
         "eaglet.stages.export:sglang_config",
         "eaglet.stages.export:_provenance",
         "eaglet.stages.export:vllm_config",
@@ -60,6 +78,10 @@ SPECULATORS_VERSION = "0.3.0"
 NORM_FLAGS = ("norm_before_residual", "norm_before_fc", "fc_norm", "norm_output")
 SGLANG_NORMS = ("fc_norm", "norm_output")  # the EAGLE-3.1 options SGLang's drafter reads
 PROBE_STEPS = 3
+MLA_ARCHITECTURE = "Eagle3DeepseekV2ForCausalLM"  # vLLM's and SGLang's class of the MLA layer
+MLA_ARCHITECTURES = (MLA_ARCHITECTURE, "Eagle3DeepseekV3ForCausalLM")  # the alias both register
+MLA_MODEL_TYPE = "kimi_k2"  # see the module doc
+VLLM_MLA_NORMS = ("fc_norm", "norm_output", "norm_before_residual")  # what deepseek_eagle3 reads
 
 
 def layer_config(cfg: DrafterConfig) -> dict:
@@ -87,6 +109,68 @@ def layer_config(cfg: DrafterConfig) -> dict:
         "mlp_bias": False,
         "tie_word_embeddings": False,
     }
+
+
+def mla_layer_config(cfg: DrafterConfig) -> dict:
+    """The DeepSeek-V3 decoder-layer fields of an MLA drafter, both formats."""
+    rope_scaling = layer_config(cfg)["rope_scaling"]
+    return {
+        "model_type": MLA_MODEL_TYPE,
+        "hidden_act": "silu",
+        "num_hidden_layers": 1,
+        "hidden_size": cfg.hidden_size,
+        "intermediate_size": cfg.intermediate_size,
+        "num_attention_heads": cfg.num_attention_heads,
+        "num_key_value_heads": cfg.num_attention_heads,
+        "q_lora_rank": cfg.q_lora_rank,
+        "kv_lora_rank": cfg.kv_lora_rank,
+        "qk_nope_head_dim": cfg.qk_nope_head_dim,
+        "qk_rope_head_dim": cfg.qk_rope_head_dim,
+        "v_head_dim": cfg.v_head_dim,
+        "rms_norm_eps": cfg.rms_norm_eps,
+        "rope_theta": cfg.rope_theta,
+        "rope_scaling": rope_scaling,
+        "max_position_embeddings": cfg.max_position_embeddings,
+        "vocab_size": cfg.vocab_size,
+        "attention_bias": False,
+        "tie_word_embeddings": False,
+    }
+
+
+def mla_config(cfg: DrafterConfig, fmt: str, differs: dict | None = None) -> dict:
+    """config.json of an MLA drafter's export (the module doc)."""
+    served = VLLM_MLA_NORMS if fmt == "vllm" else ()
+    unserved = [f for f in NORM_FLAGS if getattr(cfg, f) and f not in served]
+    if unserved:
+        engine = "vLLM" if fmt == "vllm" else "SGLang"
+        raise EagletError(
+            f"export --to {fmt}: {engine}'s MLA EAGLE-3 drafter ({MLA_ARCHITECTURE}) has no "
+            f"{' or '.join(unserved)} (it would load the export and ignore it): train without it"
+        )
+    if fmt == "vllm" and cfg.q_lora_rank is None:
+        raise EagletError(
+            f"export --to vllm: vLLM 0.32's {MLA_ARCHITECTURE} cannot load an MLA layer without "
+            "q_lora_rank (its loader puts kv_a_proj_with_mqa into fused_qkv_a_proj, which only "
+            "exists with one): export --to sglang, or train with arch.q_lora_rank set"
+        )
+    out = {
+        "architectures": [MLA_ARCHITECTURE],
+        **mla_layer_config(cfg),
+        "draft_vocab_size": cfg.draft_vocab_size,
+        "torch_dtype": DTYPE,
+    }
+    if cfg.target_hidden_size != cfg.hidden_size:
+        out["target_hidden_size"] = cfg.target_hidden_size
+    if fmt == "vllm":
+        out["eagle_aux_hidden_state_layer_ids"] = [i + 1 for i in cfg.aux_layer_ids]
+        out["num_aux_hidden_states"] = len(cfg.aux_layer_ids)  # else vLLM assumes 3
+        out |= {f: getattr(cfg, f) for f in VLLM_MLA_NORMS}
+    else:
+        out["eagle_config"] = {
+            "eagle_aux_hidden_state_layer_ids": list(cfg.aux_layer_ids),
+            "use_aux_hidden_state": True,
+        }
+    return out | _provenance(differs)
 
 
 def sglang_config(cfg: DrafterConfig, differs: dict | None = None) -> dict:
@@ -166,7 +250,9 @@ def write(
 ) -> None:
     """Write config.json and model.safetensors of the format into `folder`."""
     cfg = model.cfg
-    if fmt == "sglang":
+    if cfg.attention == "mla":
+        config = mla_config(cfg, fmt, differs)
+    elif fmt == "sglang":
         config = sglang_config(cfg, differs)
     else:
         config = vllm_config(cfg, verifier, num_steps, differs)
@@ -176,16 +262,13 @@ def write(
 
 def expected_shapes(cfg: DrafterConfig, fmt: str) -> dict[str, tuple[int, ...]]:
     """Every tensor the format requires (§3 of the notes), by name."""
-    h, i, d = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
+    h, i = cfg.hidden_size, cfg.intermediate_size
     layer = "midlayer" if fmt == "sglang" else "layers.0"
     shapes = {
         "fc.weight": (h, len(cfg.aux_layer_ids) * cfg.target_hidden_size),
         f"{layer}.input_layernorm.weight": (h,),
         f"{layer}.hidden_norm.weight": (h,),
-        f"{layer}.self_attn.q_proj.weight": (cfg.num_attention_heads * d, 2 * h),
-        f"{layer}.self_attn.k_proj.weight": (cfg.num_key_value_heads * d, 2 * h),
-        f"{layer}.self_attn.v_proj.weight": (cfg.num_key_value_heads * d, 2 * h),
-        f"{layer}.self_attn.o_proj.weight": (h, cfg.num_attention_heads * d),
+        **{f"{layer}.self_attn.{n}.weight": shape for n, shape in attention_shapes(cfg).items()},
         f"{layer}.post_attention_layernorm.weight": (h,),
         f"{layer}.mlp.gate_proj.weight": (i, h),
         f"{layer}.mlp.up_proj.weight": (i, h),
@@ -203,6 +286,35 @@ def expected_shapes(cfg: DrafterConfig, fmt: str) -> dict[str, tuple[int, ...]]:
     if cfg.fc_norm:
         shapes |= {f"fc_norm.{j}.weight": (th,) for j in range(n)}
     return shapes
+
+
+def attention_shapes(cfg: DrafterConfig) -> dict[str, tuple[int, ...]]:
+    """The attention's tensors (under self_attn.), by name."""
+    h, heads, d = cfg.hidden_size, cfg.num_attention_heads, cfg.head_dim
+    if cfg.attention != "mla":
+        kv = cfg.num_key_value_heads * d
+        return {
+            "q_proj": (heads * d, 2 * h),
+            "k_proj": (kv, 2 * h),
+            "v_proj": (kv, 2 * h),
+            "o_proj": (h, heads * d),
+        }
+    r, rope, n, dv = cfg.kv_lora_rank, cfg.qk_rope_head_dim, cfg.qk_nope_head_dim, cfg.v_head_dim
+    if cfg.q_lora_rank is None:
+        q = {"q_proj": (heads * (n + rope), 2 * h)}
+    else:
+        q_lora = cfg.q_lora_rank
+        q = {
+            "q_a_proj": (q_lora, 2 * h),
+            "q_a_layernorm": (q_lora,),
+            "q_b_proj": (heads * (n + rope), q_lora),
+        }
+    return q | {
+        "kv_a_proj_with_mqa": (r + rope, 2 * h),
+        "kv_a_layernorm": (r,),
+        "kv_b_proj": (heads * (n + dv), r),
+        "o_proj": (h, heads * dv),
+    }
 
 
 def _need(config: dict, key: str, where: Path):
@@ -223,7 +335,24 @@ def read_config(folder: Path) -> tuple[str, DrafterConfig]:
         c = read_json(where)
     except (FileNotFoundError, json.JSONDecodeError) as e:
         raise EagletError(f"{where}: unreadable: {e}") from None
-    if c.get("speculators_model_type") == "eagle3":
+    mla = c.get("architectures") in [[a] for a in MLA_ARCHITECTURES]
+    if mla and "eagle_aux_hidden_state_layer_ids" in c:  # vLLM's (its ids at the top level)
+        fmt, layer = "vllm", c
+        ids = [i - 1 for i in c["eagle_aux_hidden_state_layer_ids"]]
+        target_h = c.get("target_hidden_size") or _need(c, "hidden_size", where)
+        norms = {flag: c.get(flag) is True for flag in VLLM_MLA_NORMS}  # absent: false there
+        if c.get("norm_before_fc"):
+            raise EagletError(f"{where}: vLLM's {MLA_ARCHITECTURE} ignores norm_before_fc")
+    elif mla:
+        fmt, layer = "sglang", c
+        eagle = _need(c, "eagle_config", where)
+        ids = _need(eagle, "eagle_aux_hidden_state_layer_ids", where / "eagle_config")
+        target_h = c.get("target_hidden_size") or _need(c, "hidden_size", where)
+        norms = {}
+        unread = [f for f in NORM_FLAGS if c.get(f)]
+        if unread:
+            raise EagletError(f"{where}: SGLang's {MLA_ARCHITECTURE} ignores {', '.join(unread)}")
+    elif c.get("speculators_model_type") == "eagle3":
         fmt, layer = "vllm", _need(c, "transformer_layer_config", where)
         norms = {flag: _need(c, flag, where) for flag in NORM_FLAGS}
         for flag, value in norms.items():
@@ -247,7 +376,14 @@ def read_config(folder: Path) -> tuple[str, DrafterConfig]:
     if layer.get("tie_word_embeddings", False):
         raise EagletError(f"{where}: tie_word_embeddings must be false")
     fields = (*(f for f in FIELDS if f != "rope_scaling"), "vocab_size")  # scaling: optional
+    if mla:  # no kv heads or head_dim of its own (eaglet.model.arch)
+        fields = tuple(f for f in fields if f not in ("num_key_value_heads", "head_dim"))
     values = {f: _need(layer, f, where) for f in fields}
+    if mla:
+        sizes = {f: _need(layer, f, where) for f in MLA[1:]}
+        values |= {"attention": "mla", "q_lora_rank": layer.get("q_lora_rank"), **sizes}
+        values["num_key_value_heads"] = values["num_attention_heads"]
+        values["head_dim"] = sizes["qk_nope_head_dim"] + sizes["qk_rope_head_dim"]
     scaling = rope(layer)[1]
     cfg = DrafterConfig(
         draft_vocab_size=_need(c, "draft_vocab_size", where),
