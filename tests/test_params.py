@@ -97,6 +97,7 @@ def test_defaults_and_overrides(tmp_path):
         "thinking": None,
         "thinking_fraction": 0.5,
         "truncated": "drop",
+        "turns": "all",
     }
     assert p.dataset("a")["format"] == "auto"
     assert p.resolve(p.dataset("a")["path"]) == tmp_path / "in" / "a.jsonl"

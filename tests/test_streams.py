@@ -145,7 +145,9 @@ def _project(project, kimi, url: str) -> list[str]:
                 "reasoning_field": "reasoning",
             }
         },
-        "generation": {"backend": "api", "max_new_tokens": 64},
+        # the turn after each recorded trajectory: one oracle stream a prompt (every turn of a
+        # trajectory is test_turns.py's)
+        "generation": {"backend": "api", "max_new_tokens": 64, "turns": "last"},
         "datasets": {
             "a1": {"path": "a1.jsonl", "format": "agent"},
             "chat": {"path": "chat.jsonl", "format": "ultrachat"},

@@ -108,7 +108,7 @@ def generation_rows(keys: Keys, rows: list[dict], text: dict) -> list[dict]:
             mem, fits = engine_row(text, plan, tp, seqs, r["max_length"])
             options = engine_options(text, plan, fits, tp, seqs, r["max_length"])
         rate = plan["rates"].get(name, {})
-        n_exp = r["answered"]
+        n_exp = r["requests"]["expected"]  # a request per turn
         secs = None
         if "requests_per_s" in rate and n_exp is not None:
             secs = n_exp / rate["requests_per_s"]

@@ -6,13 +6,18 @@ where they will be written. Nothing is sent, loaded or built; only config.json o
 is read (or `--target-config`).
 
 - prompts: the built prompts artifact's count if there is one, else `max_samples`.
-- completion tokens: expected = prompts x `expect.completion_tokens`, max = prompts x
-  `max_new_tokens`; both capped by `token_budget` (the stage keeps the longest prefix of
-  answers that fits).
+- turns (requests a conversation): counted in the built prompts under the dataset's `turns`
+  (eaglet.stages.turns), else `expect.turns` (default 1).
+- completion tokens: expected = prompts x turns x `expect.completion_tokens` (a turn's answer),
+  max = prompts x turns x `max_new_tokens`; both capped by `token_budget` (the stage keeps the
+  longest prefix of conversations that fits).
 - dollars (API backends with `price_per_mtok`): completion tokens x its completion price, plus
   prompts x `expect.prompt_tokens` x its prompt price when that is given; capped by
   `max_cost_usd`. Engines on your own GPUs show 0 (their cost is GPU time, not tokens).
-- hidden tokens per sample: prompt + answer, at most the dataset's `max_length`.
+- hidden tokens: a sample per turn, prompt (`expect.prompt_tokens`: a request's) + answer, at
+  most the dataset's `max_length`: exact where each turn is a sample of its own (a template that
+  rewrites the history, a trajectory regenerated from its recorded history), an upper bound
+  where turns share a sample (eaglet.stages.hidden.sequences).
 - bytes per token: (K + 1) states x H x 2 (bf16) x the storage's measured ratio
   (STORAGE_RATIO; bf16 planes for fp32 x 2).
 - per hidden.mode (`mode_rows`): disk for hidden states and the engine's prefill tokens.
@@ -37,7 +42,7 @@ from pathlib import Path
 
 from eaglet.device import resolve_dtype
 from eaglet.errors import EagletError
-from eaglet.formats.io import read_json
+from eaglet.formats.io import read_json, read_jsonl
 from eaglet.graph import footprint
 from eaglet.graph.keys import Keys, sidecar_of
 from eaglet.model import arch, train_memory
@@ -45,6 +50,7 @@ from eaglet.model.target import need, read_config, spec_of, text_config
 from eaglet.params import Params
 from eaglet.reports import placement
 from eaglet.stages.hidden_spec import sglang_layer_ids
+from eaglet.stages.turns import cuts
 
 # bytes on disk / (K+1)·H·2 as measured by benchmarks/hidden_states.py on SmolLM2 (README):
 # bf16 1.001, bf16+zstd 0.730, fp8 0.505 (1 byte a value + a float32 scale per token and
@@ -142,16 +148,20 @@ def render_training(rows: list[dict]) -> list[str]:
     ]
 
 
-def _prompts(keys: Keys, ds: str) -> tuple[int | None, str]:
-    """(prompt count, where it comes from)."""
+def _prompts(keys: Keys, ds: str) -> tuple[int | None, float, str]:
+    """(prompt count, mean turns regenerated a prompt, where they come from)."""
     d = keys.params.dataset(ds)
+    turns = keys.params.generation(ds)["turns"]
     try:
-        side = sidecar_of(keys.path("prompts", ds))
-        if side.exists():
-            return read_json(side)["stats"]["kept"], "built"
+        path = keys.path("prompts", ds)
+        if sidecar_of(path).exists():
+            n = t = 0
+            for p in read_jsonl(path):
+                n, t = n + 1, t + len(cuts(p["messages"], turns))
+            return n, t / n if n else 1.0, "built"
     except EagletError:  # the raw file is not there yet: its key cannot be computed
         pass
-    return d.get("max_samples"), "max_samples"
+    return d.get("max_samples"), float(d.get("expect", {}).get("turns", 1)), "max_samples"
 
 
 def dataset_plan(keys: Keys, ds: str, token_bytes: float) -> dict:
@@ -159,7 +169,7 @@ def dataset_plan(keys: Keys, ds: str, token_bytes: float) -> dict:
     p = keys.params
     d, gen = p.dataset(ds), p.generation(ds)
     backend = p.backend(gen["backend"])
-    n, source = _prompts(keys, ds)
+    n, turns, source = _prompts(keys, ds)
     expect = d.get("expect", {})
     max_len = p.max_length(ds)
     prompt_cap = d.get("max_prompt_tokens", p.data["prompts"].get("max_prompt_tokens"))
@@ -167,13 +177,15 @@ def dataset_plan(keys: Keys, ds: str, token_bytes: float) -> dict:
     def capped(x: float | None, cap: float | None) -> float | None:
         return None if x is None else (x if cap is None else min(x, cap))
 
-    mean_c, mean_p = expect.get("completion_tokens"), expect.get("prompt_tokens")
+    mean_p = expect.get("prompt_tokens")
+    # a conversation's answers (every turn), as measured or guessed
+    mean_c = expect["completion_tokens"] * turns if "completion_tokens" in expect else None
     budget = d.get("token_budget")
-    # samples answered: all prompts, or as many as the token budget lets through
+    # conversations answered: all prompts, or as many as the token budget lets through
     n_exp = capped(n, budget / mean_c if budget and mean_c else None) if mean_c else None
     tok = {
         "expected": n_exp * mean_c if n_exp is not None else None,
-        "max": capped(n * gen["max_new_tokens"] if n else None, budget),
+        "max": capped(round(n * turns) * gen["max_new_tokens"] if n else None, budget),
     }
     price = backend.get("price_per_mtok") if backend["kind"] == "openai" else None
     cost: dict = {"expected": None, "max": None}
@@ -182,20 +194,26 @@ def dataset_plan(keys: Keys, ds: str, token_bytes: float) -> dict:
     elif price:
         for k, answered in (("expected", n_exp), ("max", n)):
             if tok[k] is not None:
-                prompt_tokens = answered * mean_p if answered and mean_p else 0
+                prompt_tokens = answered * turns * mean_p if answered and mean_p else 0
                 usd = tok[k] * price.get("completion", 0) + prompt_tokens * price.get("prompt", 0)
                 cost[k] = capped(usd / 1e6, d.get("max_cost_usd"))
     per_sample_max = min(max_len, (prompt_cap or max_len) + gen["max_new_tokens"])
+    per_turn = expect.get("completion_tokens")
     hidden_tokens = {
-        "expected": n_exp * min(max_len, mean_p + mean_c) if n_exp and mean_p else None,
-        "max": n * per_sample_max if n else None,
+        "expected": n_exp * turns * min(max_len, mean_p + per_turn) if n_exp and mean_p else None,
+        "max": round(n * turns) * per_sample_max if n else None,
     }
     if tok["max"] is not None and hidden_tokens["max"] is not None and prompt_cap:
-        hidden_tokens["max"] = min(hidden_tokens["max"], tok["max"] + n * prompt_cap)
+        hidden_tokens["max"] = min(hidden_tokens["max"], tok["max"] + round(n * turns) * prompt_cap)
     return {
         "dataset": ds,
         "backend": gen["backend"],
         "prompts": n,
+        "turns": round(turns, 3),
+        "requests": {
+            "expected": n_exp * turns if n_exp is not None else None,
+            "max": round(n * turns) if n else None,
+        },
         "answered": n_exp,
         "prompts_from": source,
         "max_length": max_len,
@@ -414,6 +432,14 @@ def _usd(x: float | None) -> str:
     return "?" if x is None else f"${x:,.0f}"
 
 
+def _prompts_cell(r: dict) -> str:
+    """The prompt count, and the turns each asks where that is not one."""
+    if r["prompts"] is None:
+        return "?"
+    turns = r.get("turns", 1)
+    return f"{r['prompts']:,}" + (f" x {turns:.2f} turns" if turns != 1 else "")
+
+
 def render(report: dict) -> str:
     """The plan as a Markdown table and two lines of context."""
     t, s = report["target"], report["storage"]
@@ -435,7 +461,7 @@ def render(report: dict) -> str:
         cells = [
             r["dataset"],
             r["backend"],
-            "?" if r["prompts"] is None else f"{r['prompts']:,}",
+            _prompts_cell(r),
             f"{r['max_length']:,}" if "max_length" in r else "",
             f"{_num(ct['expected'])} / {_num(ct['max'])}",
             f"{_usd(cost['expected'])} / {_usd(cost['max'])}",

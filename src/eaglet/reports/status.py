@@ -99,12 +99,13 @@ def generation(params: Params, dataset: str, keys: Keys, store: Store | None) ->
     j = setup(keys, keys.spec("responses", dataset))
     if store is None:
         s = {"prompts": j.count(), "ok": 0, "failed": 0, "rejected": 0, "tokens": 0, "cost": 0.0}
+        s["turns"] = s["prompts"]  # at least one turn each: how many more, the store tells
     else:
         s = scan(j, store)
     if j.token_budget is not None:
         target = {"by": "token_budget", "of": j.token_budget, "have": s["tokens"]}
     else:
-        target = {"by": "samples", "of": s["prompts"], "have": s["ok"]}
+        target = {"by": "samples", "of": s["turns"], "have": s["ok"]}  # one per turn
     target["pct"] = (
         round(min(100.0, 100.0 * target["have"] / target["of"]), 1) if target["of"] else 100.0
     )
@@ -113,6 +114,7 @@ def generation(params: Params, dataset: str, keys: Keys, store: Store | None) ->
         run["state"] = "stalled"
     return {
         "prompts": s["prompts"],
+        "turns": s["turns"],
         "done": s["ok"],
         "failed": s["failed"],
         "rejected": s["rejected"],
@@ -300,8 +302,15 @@ def _details(row: dict) -> str:
     g = row.get("generation")
     if row["stage"] == "responses" and g:
         t = g["target"]
-        text = f"{g['done']}/{g['prompts']} answered, {g['tokens']:,} tok ({t['pct']:.0f}% of "
-        text += "token budget)" if t["by"] == "token_budget" else "prompts)"
+        if g["turns"] == g["prompts"]:
+            text = f"{g['done']}/{g['prompts']} answered"
+        else:  # several turns a conversation
+            text = f"{g['done']}/{g['turns']} turns of {g['prompts']} conversations answered"
+        text += f", {g['tokens']:,} tok ({t['pct']:.0f}% of "
+        if t["by"] == "token_budget":
+            text += "token budget)"
+        else:
+            text += "prompts)" if g["turns"] == g["prompts"] else "turns)"
         if g["failed"]:
             text += f", {g['failed']} failed"
         if g.get("rejected"):
@@ -317,7 +326,7 @@ def _details(row: dict) -> str:
         checks = regeneration.summary(st.get("regeneration", {}))
         text += f"; {checks}" if checks else ""
         run = g["run"]
-        if run and run["state"] == "interrupted" and g["done"] < g["prompts"]:
+        if run and run["state"] == "interrupted" and g["done"] < g["turns"]:
             text += f"; interrupted at {run.get('done', '?')}/{run.get('total', '?')}"
             text += f" (continue: eaglet generate {row['dataset']})"
         if run and run["state"] in ("running", "stalled"):
@@ -328,10 +337,13 @@ def _details(row: dict) -> str:
         return text
     if row["stage"] == "hidden" and st:
         per_token = row["disk_bytes"] / st["tokens"]
+        seqs = f"{st['samples']} seqs"
+        if st.get("merged_turns"):  # turns of a conversation sharing a sample
+            seqs += f" ({st['samples'] + st['merged_turns']} turns)"
         if "state_bytes_per_token" not in st:  # online/hybrid: no shards in the stage's folder
-            return f"{st['samples']} seqs, {st['tokens']} tok, ids only: states from the engine"
+            return f"{seqs}, {st['tokens']} tok, ids only: states from the engine"
         return (
-            f"{st['samples']} seqs, {st['tokens']} tok, {per_token:.0f} B/tok on disk "
+            f"{seqs}, {st['tokens']} tok, {per_token:.0f} B/tok on disk "
             f"= {st['state_bytes_per_token']} x {per_token / st['state_bytes_per_token']:.3f}"
         )
     if row["stage"] == "vocab" and st:

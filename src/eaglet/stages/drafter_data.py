@@ -20,6 +20,7 @@ from eaglet.errors import EagletError
 from eaglet.graph.keys import Keys, resolve_stage
 from eaglet.params import Params
 from eaglet.stages.hidden import Setup
+from eaglet.stages.turns import conversation_of
 
 Ref = tuple[int, str]  # (reader index, sample id)
 
@@ -88,7 +89,9 @@ def check_compatible(readers: list, names: list[str]) -> None:
 
 
 def is_heldout(sample_id: str, fraction: float) -> bool:
-    h = hashlib.sha256(f"heldout:{sample_id}".encode()).digest()
+    """Drawn per conversation: a conversation's samples (`<id>`, `<id>/<k>`) are all held out
+    or all trained on."""
+    h = hashlib.sha256(f"heldout:{conversation_of(sample_id)}".encode()).digest()
     return int.from_bytes(h[:8], "big") / 2**64 < fraction
 
 

@@ -1,24 +1,30 @@
-"""The responses stage: the target regenerates the last assistant turn of every prompt.
+"""The responses stage: the target regenerates the assistant turns of every conversation.
+
+Which turns, and what each is asked with, is `eaglet.stages.turns`: every turn by default, turn
+k after the target's own answers to turns 1..k-1; one record per turn (`<id>/<k>` where a
+conversation has several). A replayed turn is asked once the turn before it is answered, so
+dispatch walks the prompts again while a walk asked for something a later turn waits on.
 
 Each record holds the tokens the target generated (`output_ids`): an engine's own, or a text
 answer written in the target's output grammar and checked by round trip (`formats/stream.py`);
 their count against the server's is checked per dataset (`generation.max_token_drift`).
 
-Prompts stream from the prompts artifact in their seeded order. Each is looked up in the
+Prompts stream from the prompts artifact in their seeded order. Each turn is looked up in the
 response store by its request key; misses go to the backend through a bounded queue and a fixed
 pool of `concurrency` workers (never one task per prompt), and every outcome is committed to the
 store before it counts as done. So a rerun after Ctrl-C or kill -9 sends only what is missing,
 and failed prompts are retried.
 
 Budgets (`token_budget`, `max_cost_usd` per dataset) cut the output to the longest prefix of
-the prompt order whose answers fit them. Dispatch follows the order and stops once the prefix,
-with in-flight answers counted at the mean size seen so far, passes a budget; what is in flight
-finishes and stays in the store. The file is then written from the store alone, so it does not
-depend on timing: the same store gives the same file. The overall `budget:` caps the project's
-spend: when reached, dispatch stops and the stage fails (it never shortens an output, so no byte
-depends on it). Spend is what `budget.count` says: `this_run` (the default), the answers this
-params file generated, the store's answers of unknown origin included, never imported answers
-or other params files' (reported beside); `store`, every answer in the store.
+the prompt order whose answers (every turn of a conversation) fit them. Dispatch follows the
+order and stops once the prefix, with in-flight answers counted at the mean size seen so far,
+passes a budget; what is in flight finishes and stays in the store. The file is then written
+from the store alone, so it does not depend on timing: the same store gives the same file. The
+overall `budget:` caps the project's spend: when reached, dispatch stops and the stage fails (it
+never shortens an output, so no byte depends on it). Spend is what `budget.count` says:
+`this_run` (the default), the answers this params file generated, the store's answers of unknown
+origin included, never imported answers or other params files' (reported beside); `store`, every
+answer in the store.
 """
 
 from __future__ import annotations
@@ -49,16 +55,18 @@ from eaglet.model.target import TargetSpec, load_tokenizer
 from eaglet.progress import Progress
 from eaglet.stages import regeneration
 from eaglet.stages.generate_spec import ResponsesSpec, sample_mode
+from eaglet.stages.turns import Conversations, Turn, replayed
 
 # The code that shapes this stage's bytes (eaglet.graph.code): bump the version when they change.
 CODE = Code(
-    version=2,
+    version=3,
     kernel=(
         "eaglet.stages.generate:rejected",
         "eaglet.stages.generate:plan_output",
         "eaglet.stages.generate:output_records",
         "eaglet.stages.generate:Streams",
         "eaglet.stages.generate:write_output",
+        "eaglet.stages.turns",
         "eaglet.formats.stream",
         "eaglet.formats.grammar",
         "eaglet.formats.chat",
@@ -98,6 +106,7 @@ class Job:
     max_token_drift: float
     mode: dict | None = None  # the spec's thinking mode (sample_mode gives each prompt's)
     truncated: str = "drop"  # drop or keep the answers cut at max_new_tokens
+    turns: str = "all"  # the assistant turns regenerated: all, or the last
     threads: int | None = None
     quiet: bool = False
     params_name: str | None = None  # the params file's name: whose spend the answers are
@@ -121,14 +130,22 @@ class Job:
         return sample_mode(self.mode, prompt["id"])
 
     def key(self, prompt: dict) -> str:
-        """The prompt's request key in the store: its messages in its mode."""
+        """The request key of the turn after the prompt's recorded conversation (`turns: last`):
+        its messages in its mode."""
         return self.keyfn(prompt["messages"], self.mode_of(prompt))
 
-    def chunks(self) -> Iterator[list[tuple[dict, str]]]:
-        """(prompt, request key) pairs in prompt order, CHUNK at a time."""
+    def conversations(self, store: Store) -> Iterator[list[list[tuple[Turn, dict | None]]]]:
+        """Conversations in prompt order, CHUNK at a time: each its turns as far as the store
+        lets them be asked (eaglet.stages.turns), with their stored rows (None: not stored)."""
+        convs = Conversations(
+            self.turns,
+            self.truncated,
+            lambda p, messages: self.keyfn(messages, self.mode_of(p)),
+            store.get_many,
+        )
         it = read_jsonl(self.prompts)
         while chunk := list(itertools.islice(it, CHUNK)):
-            yield [(p, self.key(p)) for p in chunk]
+            yield convs.walk(chunk)
 
     def count(self) -> int:
         side = sidecar_of(self.prompts)
@@ -182,6 +199,7 @@ def setup(
         max_token_drift=params.generation(dataset)["max_token_drift"],
         mode=v.mode,
         truncated=v.truncated,
+        turns=v.turns,
         threads=threads,
         quiet=quiet,
         params_name=params.path.name,
@@ -208,6 +226,7 @@ class Dispatch:
         self.abort: BaseException | None = None
         self.stopped_by: str | None = None
         self.sent = 0
+        self.asked: set[str] = set()  # keys sent by this run: a failed one waits for a rerun
         self.lost = 0  # answers that arrived (paid) and could not be stored
         self.dropped = 0  # requests in flight when the run was interrupted
         self._tokenizer = None
@@ -250,7 +269,12 @@ class Dispatch:
         queue: asyncio.Queue = asyncio.Queue(maxsize=self.backend.concurrency)
         workers = [asyncio.create_task(self.worker(queue)) for _ in range(self.backend.concurrency)]
         try:
-            await self.produce(queue)
+            # a walk that sent a turn some later turn waits on is followed by another, once
+            # every answer it sent is in
+            while await self.produce(queue) and self.abort is None and not self.stopped_by:
+                while self.inflight and self.abort is None:
+                    self.changed.clear()
+                    await self.changed.wait()
             for _ in workers:
                 await queue.put(None)
             await asyncio.gather(*workers)
@@ -266,69 +290,77 @@ class Dispatch:
         if self.abort is not None:
             raise self.abort
 
-    async def produce(self, queue: asyncio.Queue) -> None:
+    async def produce(self, queue: asyncio.Queue) -> bool:
+        """One walk over the conversations in prompt order: send the turns the store lacks
+        and this run has not asked yet, within the budgets. True if a later turn waits on an
+        answer it sent."""
         window: list[dict] = []
+        more = False
+        self.tokens, self.cost, self.known = 0, 0.0, [0, 0, 0.0]  # the prefix, from the start
 
         async def flush() -> None:
             for batch in self.backend.plan(window) if window else []:
                 await queue.put(batch)
             window.clear()
 
-        for chunk in self.job.chunks():
-            rows = self.store.get_many(k for _, k in chunk)
-            for prompt, key in chunk:
-                row = rows.get(key)
-                if rejected(row, self.job.prompt_limit):
-                    continue  # excluded for good: not sent, not in the output
-                hit = row is not None and row["status"] == "ok"
-                if not hit and self.too_long(prompt, key):
-                    continue
-                while (reason := self.over(sending=not hit)) and self.abort is None:
-                    if window:
+        for chunk in self.job.conversations(self.store):
+            for conv in chunk:
+                for turn, row in conv:
+                    key = turn.key
+                    if rejected(row, self.job.prompt_limit):
+                        continue  # excluded for good: not sent, not in the output
+                    hit = row is not None and row["status"] == "ok"
+                    if not hit and (key in self.asked or self.too_long(turn)):
+                        continue
+                    while (reason := self.over(sending=not hit)) and self.abort is None:
+                        if window:
+                            await flush()
+                        elif not self.inflight:
+                            self.stopped_by = reason  # exact now: the prefix ends here
+                            return False
+                        else:
+                            self.changed.clear()
+                            await self.changed.wait()
+                    if self.abort is not None:
+                        return False
+                    if hit:
+                        self.tokens += row["completion_tokens"]
+                        self.cost += row["cost"] or 0.0
+                        self._known(row["completion_tokens"], row["cost"])
+                        continue
+                    est = self.estimate()
+                    self.asked.add(key)
+                    self.inflight[key] = est
+                    self.tokens, self.cost = self.tokens + est[0], self.cost + est[1]
+                    self.flying = [self.flying[0] + est[0], self.flying[1] + est[1]]
+                    more |= turn.k < turn.n and replayed(turn.prompt["messages"])
+                    window.append(
+                        {
+                            "id": turn.id,
+                            "key": key,
+                            "messages": turn.messages,
+                            "tools": turn.prompt.get("tools"),
+                            "sampling": self.job.sampling,
+                            "mode": self.job.mode_of(turn.prompt),
+                        }
+                    )
+                    if len(window) >= self.backend.window:
                         await flush()
-                    elif not self.inflight:
-                        self.stopped_by = reason  # exact now: the prefix ends here
-                        return
-                    else:
-                        self.changed.clear()
-                        await self.changed.wait()
-                if self.abort is not None:
-                    return
-                if hit:
-                    self.tokens += row["completion_tokens"]
-                    self.cost += row["cost"] or 0.0
-                    self._known(row["completion_tokens"], row["cost"])
-                    continue
-                est = self.estimate()
-                self.inflight[key] = est
-                self.tokens, self.cost = self.tokens + est[0], self.cost + est[1]
-                self.flying = [self.flying[0] + est[0], self.flying[1] + est[1]]
-                window.append(
-                    {
-                        "id": prompt["id"],
-                        "key": key,
-                        "messages": prompt["messages"],
-                        "tools": prompt.get("tools"),
-                        "sampling": self.job.sampling,
-                        "mode": self.job.mode_of(prompt),
-                    }
-                )
-                if len(window) >= self.backend.window:
-                    await flush()
         await flush()
+        return more
 
-    def too_long(self, prompt: dict, key: str) -> bool:
-        """A prompt that leaves no room for an answer in the dataset's max_length is never
+    def too_long(self, turn: Turn) -> bool:
+        """A request that leaves no room for an answer in the dataset's max_length is never
         sent: recorded as rejected (too_long) with its length, and counted."""
         if self._tokenizer is None:
             self._tokenizer = load_tokenizer(self.job.target)
-        mode = self.job.mode_of(prompt)
-        n = len(prompt_ids(self._tokenizer, prompt["messages"], prompt.get("tools"), mode))
+        mode = self.job.mode_of(turn.prompt)
+        n = len(prompt_ids(self._tokenizer, turn.messages, turn.prompt.get("tools"), mode))
         limit = self.job.prompt_limit
         if n < limit:
             return False
         reason = f"prompt of {n} tokens does not fit max_length {limit}"
-        self.store.reject(key, "too_long", reason, n)
+        self.store.reject(turn.key, "too_long", reason, n)
         return True
 
     async def worker(self, queue: asyncio.Queue) -> None:
@@ -429,10 +461,12 @@ def dropped(job: Job, row: dict) -> bool:
 
 
 def plan_output(job: Job, store: Store) -> dict:
-    """Which prefix of the prompt order the output holds, and its stats, from the store alone.
+    """Which prefix of the prompt order the output holds, and its stats, from the store alone:
+    whole conversations, each with the turns it keeps.
 
-    Raises EagletError when a prompt of the prefix has no answer (failed or not generated)."""
-    st = {"responses": 0, "completion_tokens": 0, "prompt_tokens": 0, "cost": None}
+    Raises EagletError when a turn of the prefix has no answer (failed or not generated)."""
+    st = {"responses": 0, "conversations": 0, "completion_tokens": 0, "prompt_tokens": 0}
+    st["cost"] = None
     excluded: Counter = Counter()
     first_rejection: dict[str, str] = {}
     finish: Counter = Counter()
@@ -440,45 +474,53 @@ def plan_output(job: Job, store: Store) -> dict:
     truncated = {"dropped": 0, "kept": 0, "first": []}
     stopped_by = None
     failed, missing, first_error = 0, 0, None
-    for chunk in job.chunks():
-        rows = store.get_many(k for _, k in chunk)
-        for prompt, key in chunk:
-            row = rows.get(key)
-            if rejected(row, job.prompt_limit):
-                kind = row["rejected"]["kind"]
-                excluded[kind] += 1
-                first_rejection.setdefault(kind, f"{prompt['id']}: {row['error']}")
-                continue
-            if row is None or row["status"] != "ok":
-                if row is None or row["status"] == "rejected":
-                    missing += 1
+    for chunk in job.conversations(store):
+        for conv in chunk:
+            ok: list[tuple[Turn, dict]] = []
+            lacking = Counter()
+            for turn, row in conv:
+                if rejected(row, job.prompt_limit):
+                    kind = row["rejected"]["kind"]
+                    excluded[kind] += 1
+                    first_rejection.setdefault(kind, f"{turn.id}: {row['error']}")
+                elif row is None or row["status"] == "rejected":
+                    lacking["missing"] += 1
+                elif row["status"] != "ok":
+                    lacking["failed"] += 1
+                    first_error = first_error or f"{turn.id}: {row['error']}"
                 else:
-                    failed += 1
-                    first_error = first_error or f"{prompt['id']}: {row['error']}"
-                continue
-            t, c = row["completion_tokens"], row["cost"]
+                    ok.append((turn, row))
+            # a conversation's known answers past a budget end the prefix before it, turns
+            # not asked yet included (dispatch stops there too)
+            t = sum(row["completion_tokens"] for _, row in ok)
+            c = sum(row["cost"] or 0.0 for _, row in ok)
             if job.token_budget is not None and spent + t > job.token_budget:
                 stopped_by = "token_budget"
-            elif job.max_cost_usd is not None and cost + (c or 0.0) > job.max_cost_usd:
+            elif job.max_cost_usd is not None and cost + c > job.max_cost_usd:
                 stopped_by = "max_cost_usd"
             if stopped_by:
                 break
+            failed, missing = failed + lacking["failed"], missing + lacking["missing"]
             if failed or missing:
                 continue  # the prefix is already broken: only count what is lacking
             spent += t
-            if c is not None:
+            if any(row["cost"] is not None for _, row in ok):
                 cost += c
                 st["cost"] = cost
-            if row["result"]["finish_reason"] == "length":
-                truncated["kept" if job.truncated == "keep" else "dropped"] += 1
-                if len(truncated["first"]) < 5:
-                    truncated["first"].append(prompt["id"])
-            if dropped(job, row):
-                continue
-            st["responses"] += 1
-            st["completion_tokens"] += t
-            st["prompt_tokens"] += row["result"]["prompt_tokens"] or 0
-            finish[row["result"]["finish_reason"]] += 1
+            kept = 0
+            for turn, row in ok:
+                if row["result"]["finish_reason"] == "length":
+                    truncated["kept" if job.truncated == "keep" else "dropped"] += 1
+                    if len(truncated["first"]) < 5:
+                        truncated["first"].append(turn.id)
+                if dropped(job, row):
+                    continue
+                kept += 1
+                st["completion_tokens"] += row["completion_tokens"]
+                st["prompt_tokens"] += row["result"]["prompt_tokens"] or 0
+                finish[row["result"]["finish_reason"]] += 1
+            st["responses"] += kept
+            st["conversations"] += kept > 0
         if stopped_by:
             break
     if failed or missing:
@@ -498,24 +540,24 @@ def plan_output(job: Job, store: Store) -> dict:
 
 
 def output_records(job: Job, store: Store, n: int) -> Iterator[dict]:
-    """The first `n` response records in prompt order (rejected prompts left out), read from
+    """The first `n` response records (one per kept turn) in prompt and turn order, read from
     the store as stored."""
     left = n
-    for chunk in job.chunks():
-        rows = store.get_many(k for _, k in chunk)
-        for prompt, key in chunk:
-            if not left:
-                return
-            row = rows[key]
-            if rejected(row, job.prompt_limit) or dropped(job, row):
-                continue
-            result = dict(row["result"], attempts=row["attempts"])
-            result.setdefault("server_completion_tokens", result["completion_tokens"])
-            rec = response_record(prompt, result, job.backend, job.sampling)
-            if job.mode is not None:  # the template arguments its prompt is rendered with
-                rec["chat_template_kwargs"] = job.mode_of(prompt)
-            yield rec
-            left -= 1
+    for chunk in job.conversations(store):
+        for conv in chunk:
+            for turn, row in conv:
+                if not left:
+                    return
+                if rejected(row, job.prompt_limit) or dropped(job, row):
+                    continue
+                result = dict(row["result"], attempts=row["attempts"])
+                result.setdefault("server_completion_tokens", result["completion_tokens"])
+                prompt = {**turn.prompt, "id": turn.id, "messages": turn.messages}
+                rec = response_record(prompt, result, job.backend, job.sampling)
+                if job.mode is not None:  # the template arguments its prompt is rendered with
+                    rec["chat_template_kwargs"] = job.mode_of(turn.prompt)
+                yield rec
+                left -= 1
 
 
 class Streams:
@@ -553,6 +595,7 @@ class Streams:
 def write_output(job: Job, store: Store, out: Path, prov: dict, extra: dict) -> dict:
     """Write the sidecar, then the records (atomically each); return the stats."""
     stats = {"prompts": job.count(), **plan_output(job, store), **extra}
+    stats["turns"] = job.turns
     st = Streams(job)
     records = [st.add(r) for r in output_records(job, store, stats["responses"])]
     st.check()
@@ -571,23 +614,33 @@ def write_output(job: Job, store: Store, out: Path, prov: dict, extra: dict) -> 
 
 
 def scan(job: Job, store: Store) -> dict:
-    """How the store stands for the dataset: answered, failed and missing prompts."""
-    out = {"prompts": 0, "ok": 0, "failed": 0, "missing": 0, "tokens": 0, "cost": 0.0}
-    out["missing_prompt_chars"] = out["rejected"] = 0
-    for chunk in job.chunks():
-        rows = store.get_many(k for _, k in chunk)
-        for prompt, key in chunk:
+    """How the store stands for the dataset: its prompts (conversations), the turns a whole
+    run asks, and those answered, failed, refused and missing (a replayed turn not askable yet
+    counts as missing, with its recorded history's size)."""
+    out = {"prompts": 0, "turns": 0, "ok": 0, "failed": 0, "missing": 0, "tokens": 0}
+    out |= {"cost": 0.0, "missing_prompt_chars": 0, "rejected": 0}
+    for chunk in job.conversations(store):
+        for conv in chunk:
             out["prompts"] += 1
-            row = rows.get(key)
-            if rejected(row, job.prompt_limit):
-                out["rejected"] += 1
-            elif row is not None and row["status"] == "ok":
-                out["ok"] += 1
-                out["tokens"] += row["completion_tokens"]
-                out["cost"] += row["cost"] or 0.0
-            else:
-                out["failed" if row is not None and row["attempts"] else "missing"] += 1
-                out["missing_prompt_chars"] += len(dumps(prompt["messages"]))
+            last = conv[-1][0]
+            out["turns"] += len(conv)
+            for turn, row in conv:
+                if rejected(row, job.prompt_limit):
+                    out["rejected"] += 1
+                elif row is not None and row["status"] == "ok":
+                    out["ok"] += 1
+                    out["tokens"] += row["completion_tokens"]
+                    out["cost"] += row["cost"] or 0.0
+                else:
+                    out["failed" if row is not None and row["attempts"] else "missing"] += 1
+                    out["missing_prompt_chars"] += len(dumps(turn.messages))
+            row = conv[-1][1]
+            if row is not None and (row["status"] == "ok" or rejected(row, job.prompt_limit)):
+                continue  # complete, or ended: its later turns are never asked
+            for _ in range(last.k, last.n):
+                out["turns"] += 1
+                out["missing"] += 1
+                out["missing_prompt_chars"] += len(dumps(last.prompt["messages"]))
     return out
 
 

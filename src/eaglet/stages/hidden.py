@@ -43,16 +43,19 @@ from eaglet.graph.keys import Keys, Spec, sidecar_of
 from eaglet.model.target import TargetSpec, load_config, load_tokenizer
 from eaglet.progress import BEACON, Progress
 from eaglet.stages.hidden_spec import HiddenSpec
+from eaglet.stages.turns import SEP, conversation_of
 
 # How each backend gets the final state: the engines give the last layer's output, and eaglet
 # applies the target's final RMSNorm (vLLM); SGLang and the hook read it after the norm.
 # The code that shapes this stage's bytes (eaglet.graph.code): bump the version when they change.
 CODE = Code(
-    version=1,
+    version=2,
     kernel=(
         "eaglet.stages.hidden:Target",
         "eaglet.stages.hidden:sequence",
         "eaglet.stages.hidden:sequences",
+        "eaglet.stages.hidden:_extends",
+        "eaglet.stages.turns:conversation_of",
         "eaglet.stages.hidden:plan_shards",
         "eaglet.stages.hidden:length_batches",
         "eaglet.stages.hidden:run_samples",
@@ -170,8 +173,16 @@ def sequence(rec: dict, target: Target) -> tuple[dict | None, dict]:
 
 
 def sequences(records: list[dict], target: Target, source: Path) -> tuple[list[dict], dict]:
-    """Samples of every usable record (record order) and counts of what happened to the rest."""
+    """Samples of every usable record (record order) and counts of what happened to the rest.
+
+    The turns of one conversation (`<id>/<k>`, eaglet.stages.turns) share a sample wherever
+    the next turn's prompt, as the template renders it, starts with the sample so far: every
+    token of it is then what the target saw when it generated that turn, and the sample
+    supervises each turn in its own context. Where the template rewrites the history (Kimi
+    drops earlier reasoning) or the sample would pass max_length, the turn starts a sample of
+    its own. A sample's id is its first turn's (`<id>` for the first)."""
     samples, counts, seen = [], Counter(), set()
+    last: tuple[str, dict, list[dict]] | None = None  # conversation, sample, its records
     for rec in records:
         if rec.get("id") in seen:
             raise EagletError(f"{source}: response {rec['id']} appears twice")
@@ -186,10 +197,25 @@ def sequences(records: list[dict], target: Target, source: Path) -> tuple[list[d
         if sample is None:
             counts[f"skipped_{info['skipped']}"] += 1
             continue
+        counts["unfinished"] += rec.get("finish_reason") == "length"
+        conv = conversation_of(rec["id"])
+        if last is not None and last[0] == conv and _extends(last[1], sample, info):
+            prev, recs = last[1], [*last[2], rec]
+            sample["loss_mask"][: len(prev["loss_mask"])] = prev["loss_mask"]
+            sample["prompt_tokens"] = prev["prompt_tokens"]
+            sample["id"] = prev["id"]
+            sample["response_sha256"] = hashlib.sha256(dumps(recs).encode()).hexdigest()
+            sample["turns"] = len(recs)
+            samples[-1] = sample
+            counts["merged_turns"] += 1
+            last = (conv, sample, recs)
+            continue
         counts["truncated"] += info["truncated_tokens"] > 0
         counts["truncated_tokens"] += info["truncated_tokens"]
-        counts["unfinished"] += rec.get("finish_reason") == "length"
+        if sample["id"] == f"{conv}{SEP}1":
+            sample["id"] = conv
         samples.append(sample)
+        last = (conv, sample, [rec])
     stats = {
         "records": len(records),
         "samples": len(samples),
@@ -198,6 +224,13 @@ def sequences(records: list[dict], target: Target, source: Path) -> tuple[list[d
         **{k: counts[k] for k in sorted(counts)},
     }
     return samples, stats
+
+
+def _extends(prev: dict, sample: dict, info: dict) -> bool:
+    """Whether a conversation's next turn can extend the sample so far: not cut at max_length,
+    and its prompt starting with every token of the sample."""
+    n = len(prev["input_ids"])
+    return not info["truncated_tokens"] and sample["input_ids"][:n] == prev["input_ids"]
 
 
 def plan_shards(samples: list[dict], token_bytes: int, shard_bytes: float) -> list[list[int]]:
@@ -506,6 +539,7 @@ def _sample_meta(sample: dict, shard: str | None) -> dict:
         "tokens": len(sample["input_ids"]),
         "loss_tokens": sum(sample["loss_mask"]),
         "prompt_tokens": sample["prompt_tokens"],
+        **({"turns": sample["turns"]} if sample.get("turns", 1) > 1 else {}),
     }
 
 

@@ -13,7 +13,8 @@ from eaglet.errors import EagletError
 from eaglet.formats.hidden_store import HiddenReader, decode, encode
 from eaglet.graph.keys import resolve_stage
 from eaglet.params import Params
-from eaglet.stages.hidden import Target, responses, run_samples, sequence
+from eaglet.stages.hidden import Target, responses, run_samples, sequences
+from eaglet.stages.turns import conversation_of
 
 # Largest per-token relative error (L2 over a row) that --verify accepts: the storage's own
 # rounding, or the noise of recomputing a sequence alone instead of in a batch, whichever is
@@ -51,15 +52,20 @@ def verify(
     if m["responses_key"] != spec.upstream["responses"]:
         current = setup.responses.name
         problems.append(f"made from responses {m['responses_key']}, current are {current}")
-    by_id = {r["id"]: r for r in records}
     meta = {s["id"]: s for s in m["samples"]}
     target = Target.of(spec, setup)
     n = samples or setup.engine["verify_samples"]
     picked = sorted(random.Random(0).sample(reader.ids, min(n, len(reader))))
+    convs = {conversation_of(sid) for sid in picked}  # a sample may hold several turns
+    mine = [r for r in records if conversation_of(r.get("id", "")) in convs]
+    try:
+        by_id = {s["id"]: s for s in sequences(mine, target, setup.responses)[0]}
+    except EagletError as e:
+        problems.append(str(e))
+        by_id = {}
     fresh = []
     for sid in picked:
-        rec = by_id.get(sid)
-        sample = sequence(rec, target)[0] if rec else None
+        sample = by_id.get(sid)
         if sample is None:
             problems.append(f"sample {sid}: no usable response with this id")
         else:

@@ -2,7 +2,7 @@
 them, each a count and the first record ids (`eaglet status`, the report page, the sidecar's
 `regeneration`).
 
-    turns             assistant turns regenerated (one per record: the last turn)
+    turns             assistant turns regenerated (one per record), of how many conversations
     truncated         answers cut at max_new_tokens (dropped or kept, `truncated`)
     empty_answer      no content and no tool call
     empty_reasoning   asked to think (thinking on) but no reasoning
@@ -39,7 +39,9 @@ def report(records: list[dict], stats: dict, g: Grammar) -> dict:
             found["leftover_markers"].append(rec["id"])
         if unanswered_calls(rec["messages"]):
             found["calls_unanswered"].append(rec["id"])
-    out = {"turns": {"count": len(records), "first": [], "what": "the last assistant turn"}}
+    what = "the last turn" if stats.get("turns") == "last" else "every turn"
+    what += f" of {stats.get('conversations', len(records)):,} conversations"
+    out = {"turns": {"count": len(records), "first": [], "what": what}}
     truncated = stats.get("truncated", {})
     out["truncated"] = {
         "count": truncated.get("dropped", 0) + truncated.get("kept", 0),
