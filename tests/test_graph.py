@@ -121,7 +121,9 @@ def test_report_holds_the_run_numbers(repo):
     assert float(cells["offline/num_steps_2/acceptance_length"]) == round(offline, 3)
     assert cells["train/steps"] == str(train["steps"])
     assert float(cells["train/final_loss"]) == round(train["final_loss"], 3)
-    assert cells["data/sg/responses"] == "3" and cells["data/dolly/prompts"] == "3"
+    sg = json.loads(keys.sidecar("responses", "sg").read_text())["stats"]
+    assert sg["conversations"] == 3 and sg["responses"] > 3  # a record a turn: one has two
+    assert cells["data/sg/responses"] == str(sg["responses"]) and cells["data/dolly/prompts"] == "3"
     for png in ("suites.png", "acceptance.png", "loss.png"):  # inline, byte for byte
         data = (keys.path("evaluate", "d") / png).read_bytes()
         assert f'alt="{png}" src="data:image/png;base64,{base64.b64encode(data).decode()}"' in page

@@ -12,6 +12,7 @@ from eaglet.formats.records import RESPONSE_FIELDS
 from eaglet.graph.keys import Keys, sidecar_of
 from eaglet.model.target import SMOLLM2, load_tokenizer, resolve
 from eaglet.params import load
+from eaglet.stages.turns import cuts
 
 from .conftest import tiny_params, write_params
 
@@ -35,14 +36,27 @@ def test_cli_prompts_then_responses(project):
     r = eaglet(project, "generate", "sg", "--quiet", "--threads", "2")
     out = r.stdout.strip()
     assert out == str(Keys(load(project / "params.yaml")).path("responses", "sg"))
-    assert "responses sg: done 6/6" in r.stderr
     prompts = list(read_jsonl(prompts_path))
+    turns = [len(cuts(p["messages"], "all")) for p in prompts]  # every assistant turn
+    assert max(turns) > 1 and f"responses sg: done {sum(turns)}/{sum(turns)}" in r.stderr
     recs = list(read_jsonl(out))
-    assert [r["id"] for r in recs] == [p["id"] for p in prompts]  # prompt order
+    want = [
+        p["id"] if n == 1 else f"{p['id']}/{k}"
+        for p, n in zip(prompts, turns, strict=True)
+        for k in range(1, n + 1)
+    ]
+    assert [r["id"] for r in recs] == want  # prompt order, then turn order
     tok = load_tokenizer(resolve(SMOLLM2))
-    for rec, p in zip(recs, prompts, strict=True):
-        assert set(rec) == set(RESPONSE_FIELDS)
-        assert rec["messages"] == p["messages"] and rec["dataset"] == "sg"
+    by_id = {r["id"]: r for r in recs}
+    for rec in recs:
+        p = next(p for p in prompts if p["id"] == rec["id"].split("/")[0])
+        k = int(rec["id"].split("/")[1]) if "/" in rec["id"] else 1
+        users = [m for m in p["messages"] if m["role"] == "user"]
+        # turn k: the dataset's user turns 1..k after the target's own answers to turns 1..k-1
+        own = [by_id[f"{p['id']}/{j}"]["response"] for j in range(1, k)]
+        assert [m for m in rec["messages"] if m["role"] == "user"] == users[:k]
+        assert [m["content"] for m in rec["messages"] if m["role"] == "assistant"] == own
+        assert set(rec) == set(RESPONSE_FIELDS) and rec["dataset"] == "sg"
         assert rec["backend"] == "local" and rec["model"] == SMOLLM2
         assert 1 <= rec["completion_tokens"] == len(rec["output_ids"]) <= 8
         assert rec["finish_reason"] == ("stop" if rec["output_ids"][-1] == 2 else "length")

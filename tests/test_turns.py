@@ -238,6 +238,56 @@ def test_every_turn_is_asked_after_the_targets_own_answers_and_supervised_in_its
         server.stop()
 
 
+TOPICS = [f"Topic {i}?" for i in range(8)]
+FOLLOW = ["More?", "And?"]
+BUDGETED = {q: {False: f"On {q} a few words.<|im_end|>"} for q in TOPICS} | {
+    q: {False: f"Reply to {q} here.<|im_end|>"} for q in FOLLOW
+}
+
+
+def test_a_token_budget_keeps_the_longest_prefix_of_whole_conversations(
+    kimi, tok, project, monkeypatch
+):
+    """Eight three-turn conversations under a token budget that ends inside the third: the
+    output is the first two whole (their six turns), no conversation cut in its middle, and
+    dispatch asks no turn beyond what the budget lets it see; a rerun asks nothing."""
+    monkeypatch.setenv(KEY_ENV, "sk-test")
+    server = KimiAPI(tok, BUDGETED).start()
+    try:
+        rows = []
+        for q in TOPICS:
+            msgs = []
+            for u in (q, *FOLLOW):
+                msgs += [{"role": "user", "content": u}, {"role": "assistant", "content": "Old."}]
+            rows.append({"messages": msgs})
+        size = {q: len(ids(tok, BUDGETED[q][False])) for q in BUDGETED}
+        per = {q: size[q] + sum(size[f] for f in FOLLOW) for q in TOPICS}
+        (project / "budget.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+        b = {"path": "budget.jsonl", "format": "ultrachat", "thinking": False}
+        args = project_params(project, kimi, server.url, {"b": b})
+        data = load(args[1]).data
+        assert main(["prompts", "b", *args]) == 0
+        keys = Keys(load(args[1]))
+        order = [p["messages"][0]["content"] for p in read_jsonl(keys.path("prompts", "b"))]
+        budget = per[order[0]] + per[order[1]] + per[order[2]] // 2  # ends inside the third
+        data["datasets"]["b"]["token_budget"] = budget
+        write_params(project, data)
+        assert main(["generate", "b", *args, "--quiet"]) == 0
+        keys = Keys(load(args[1]))
+        recs = list(read_jsonl(keys.path("responses", "b")))
+        firsts = [r["messages"][0]["content"] for r in recs]
+        assert firsts == [order[0]] * 3 + [order[1]] * 3  # two whole conversations
+        side = read_json(keys.sidecar("responses", "b"))["stats"]
+        assert (side["conversations"], side["stopped_by"]) == (2, "token_budget")
+        assert side["completion_tokens"] == per[order[0]] + per[order[1]] <= budget
+        asked = len(server.bodies)
+        assert asked < 3 * len(TOPICS)  # the budget stopped dispatch, not only the output
+        assert main(["generate", "b", *args, "--quiet"]) == 0
+        assert len(server.bodies) == asked  # every answer it needs is in the store
+    finally:
+        server.stop()
+
+
 def test_a_tool_trajectory_is_regenerated_turn_by_turn_from_its_recorded_history(
     kimi, tok, project, monkeypatch
 ):

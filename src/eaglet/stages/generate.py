@@ -270,11 +270,15 @@ class Dispatch:
         workers = [asyncio.create_task(self.worker(queue)) for _ in range(self.backend.concurrency)]
         try:
             # a walk that sent a turn some later turn waits on is followed by another, once
-            # every answer it sent is in
-            while await self.produce(queue) and self.abort is None and not self.stopped_by:
+            # every answer it sent is in; the last walk's budget stop is the run's (a later
+            # walk knows more of each conversation, so its prefix is shorter or the same)
+            while True:
+                more = await self.produce(queue)
                 while self.inflight and self.abort is None:
                     self.changed.clear()
                     await self.changed.wait()
+                if not more or self.abort is not None:
+                    break
             for _ in workers:
                 await queue.put(None)
             await asyncio.gather(*workers)
@@ -297,6 +301,7 @@ class Dispatch:
         window: list[dict] = []
         more = False
         self.tokens, self.cost, self.known = 0, 0.0, [0, 0, 0.0]  # the prefix, from the start
+        self.stopped_by = None
 
         async def flush() -> None:
             for batch in self.backend.plan(window) if window else []:
@@ -317,12 +322,12 @@ class Dispatch:
                             await flush()
                         elif not self.inflight:
                             self.stopped_by = reason  # exact now: the prefix ends here
-                            return False
+                            return more
                         else:
                             self.changed.clear()
                             await self.changed.wait()
                     if self.abort is not None:
-                        return False
+                        return more
                     if hit:
                         self.tokens += row["completion_tokens"]
                         self.cost += row["cost"] or 0.0
