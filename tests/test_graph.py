@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from eaglet.formats.io import read_jsonl
 from eaglet.graph.keys import Keys
 from eaglet.params import load
 
@@ -257,7 +258,9 @@ def test_fresh_clone_plus_dvc_pull_is_up_to_date(repo, tmp_path):
     db = sqlite3.connect(clone / "data" / "store" / "responses.sqlite")
     answers = db.execute("SELECT COUNT(*) FROM responses WHERE status = 'ok'").fetchone()[0]
     db.close()
-    assert answers == 6  # both datasets' answers, paid once, in the store
+    keys = Keys(load(clone / "params.yaml"))
+    records = sum(len(list(read_jsonl(keys.path("responses", ds)))) for ds in ("sg", "dolly"))
+    assert answers == records == 7  # both datasets' answers (a turn each), paid once, stored
     assert "Nothing to be done" in smk(clone, "-n")
 
 
@@ -334,7 +337,9 @@ def test_compare_two_revisions(repo):
     assert "sampling.temperature: 0 -> 0.5" in dolly and "rebuild" in dolly
     assert "| responses | 3 | not built |" in dolly
     sg = md.split("## dataset sg")[1].split("##")[0]
-    assert "rebuild" not in sg and "| responses | 3 | 3 |" in sg
+    n = json.loads(Keys(load(repo / "params.yaml")).sidecar("responses", "sg").read_text())
+    n = n["stats"]["responses"]  # a record a turn
+    assert "rebuild" not in sg and f"| responses | {n} | {n} |" in sg
     assert "temperature" in md.split("dvc params diff:")[1]  # the ledger's view, too
     assert "dvc params diff" not in same and "rebuild" not in same  # no empty tables
     drafter = built.split("## drafter d")[1].split("##")[0]  # acceptance suite by suite
