@@ -152,12 +152,16 @@ def test_vllm_backend_answers_equal_the_in_process_backend(project):
     }
     data["datasets"]["sg_vllm"] = dict(data["datasets"]["sg"], backend="engine")
     params = load(write_params(project, data))
+    from eaglet.stages.turns import cuts
+
     answers = {}
     for ds in ("sg", "sg_vllm"):
-        build("prompts", params, ds)
+        prompts = list(read_jsonl(build("prompts", params, ds)))
         answers[ds] = {r["id"]: r for r in read_jsonl(build("responses", params, ds, quiet=True))}
     assert not servers()  # stopped on the normal exit too
-    assert answers["sg"].keys() == answers["sg_vllm"].keys() and len(answers["sg"]) == 6
+    turns = sum(len(cuts(p["messages"], "all")) for p in prompts)  # a record a turn
+    assert len(prompts) == 6 and turns > 6 and len(answers["sg"]) == turns
+    assert answers["sg"].keys() == answers["sg_vllm"].keys()
     for pid, ours in answers["sg"].items():
         theirs = answers["sg_vllm"][pid]
         assert theirs["output_ids"] == ours["output_ids"], pid
