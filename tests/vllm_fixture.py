@@ -20,6 +20,7 @@ def vllm_loader(target: Path, max_model_len: int = 512) -> Iterator:
     layers, for the time of the block."""
     import torch
     from safetensors.torch import load_file
+    from transformers import CONFIG_MAPPING
     from vllm.config import set_current_vllm_config
     from vllm.distributed import init_distributed_environment, initialize_model_parallel
     from vllm.distributed.parallel_state import (
@@ -30,6 +31,9 @@ def vllm_loader(target: Path, max_model_len: int = 512) -> Iterator:
     from vllm.model_executor.model_loader.utils import process_weights_after_loading
 
     started = []
+    # vLLM's config reader renames transformers' config classes in place (`config_class.
+    # model_type = "kimi_k2"` for a Kimi draft), which later configs of this process would read
+    classes = {c: c.model_type for c in CONFIG_MAPPING.values()}
 
     def load(folder: Path, cls):
         spec = {"method": "eagle3", "model": str(folder), "num_speculative_tokens": 3}
@@ -60,6 +64,8 @@ def vllm_loader(target: Path, max_model_len: int = 512) -> Iterator:
     try:
         yield load
     finally:
+        for c, model_type in classes.items():
+            c.model_type = model_type
         if started:
             destroy_model_parallel()
             destroy_distributed_environment()
