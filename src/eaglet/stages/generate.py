@@ -55,7 +55,7 @@ from eaglet.model.target import TargetSpec, load_tokenizer
 from eaglet.progress import Progress
 from eaglet.stages import regeneration
 from eaglet.stages.generate_spec import ResponsesSpec, sample_mode
-from eaglet.stages.turns import Conversations, Turn, replayed
+from eaglet.stages.turns import Conversations, Turn
 
 # The code that shapes this stage's bytes (eaglet.graph.code): bump the version when they change.
 CODE = Code(
@@ -338,7 +338,7 @@ class Dispatch:
                     self.inflight[key] = est
                     self.tokens, self.cost = self.tokens + est[0], self.cost + est[1]
                     self.flying = [self.flying[0] + est[0], self.flying[1] + est[1]]
-                    more |= turn.k < turn.n and replayed(turn.prompt["messages"])
+                    more |= turn.k < turn.n and turn.replay
                     window.append(
                         {
                             "id": turn.id,

@@ -49,7 +49,7 @@ from eaglet.stages.turns import SEP, conversation_of
 # applies the target's final RMSNorm (vLLM); SGLang and the hook read it after the norm.
 # The code that shapes this stage's bytes (eaglet.graph.code): bump the version when they change.
 CODE = Code(
-    version=2,
+    version=1,
     kernel=(
         "eaglet.stages.hidden:Target",
         "eaglet.stages.hidden:sequence",

@@ -31,6 +31,7 @@ class Turn:
     n: int
     messages: list[dict]
     key: str
+    replay: bool  # asked after the target's own earlier answers (no tool results)
 
     @property
     def id(self) -> str:
@@ -106,7 +107,8 @@ class Conversations:
                 ks = [len(out[i]) + 1] if replay[i] else range(1, len(ends) + 1)
                 for k in ks:
                     msgs = self.history(p["messages"], ends, k, out[i] if replay[i] else None)
-                    asked.append((i, Turn(p, k, len(ends), msgs, self.keyfn(p, msgs))))
+                    turn = Turn(p, k, len(ends), msgs, self.keyfn(p, msgs), replay[i])
+                    asked.append((i, turn))
             rows = self.lookup([t.key for _, t in asked])
             for i, t in asked:
                 out[i].append((t, rows.get(t.key)))
