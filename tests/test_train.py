@@ -62,10 +62,11 @@ def test_resume_after_kill_gives_the_same_weights(tiny, tmp_path):
         stderr=subprocess.DEVNULL,
     )
     ckpt = tmp_path / ".killed.work" / "checkpoint.pt"
+    info = ckpt.with_name("checkpoint.json")  # written right after each checkpoint
     deadline = time.monotonic() + 120
-    while not ckpt.exists() and proc.poll() is None and time.monotonic() < deadline:
+    while not info.exists() and proc.poll() is None and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert ckpt.exists(), "no checkpoint before the run ended"
+    assert ckpt.exists() and info.exists(), "no checkpoint before the run ended"
     os.kill(proc.pid, signal.SIGKILL)
     proc.wait()
     assert not killed.exists()  # the output only appears complete
