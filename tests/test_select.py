@@ -1,6 +1,6 @@
 """The checkpoint chosen by acceptance (`train.select`): the offline acceptance of the chained
-drafts against evaluate's own estimate, the best epoch's weights kept (through a resume), the
-curve and the choice recorded."""
+drafts (training's and evaluate's) against whole full-vocab logits, the best epoch's weights kept
+(through a resume), the curve and the choice recorded."""
 
 import csv
 
@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from eaglet.graph.keys import Keys
-from eaglet.model.target_head import TargetHead
+from eaglet.model.target_head import TargetHead, shift
 from eaglet.params import load
 from eaglet.stages import drafter_data, evaluate, train
 
@@ -34,9 +34,27 @@ def split(b: dict):
     return reader, train_refs, held
 
 
-def test_the_chain_estimate_equals_evaluates_full_vocab_one(data, tmp_path):
-    """train.offline_acceptance (draft-vocab p, chunked, through the training scorer's path)
-    against evaluate.offline (full-vocab logits, every step at once) on the same drafter."""
+def full_vocab_chain(model, reader, refs, lm_head, steps: int) -> float:
+    """The oracle: the teacher-forced chain from whole logits, every step at once: step k's
+    draft mapped to a target id against the argmax over the target's full vocab."""
+    counts = []
+    for ref in refs:
+        b = drafter_data.load([reader], [ref], 1 << 30)
+        with torch.no_grad():
+            logits = model(b["aux"], b["input_ids"], steps)
+            target = (b["last"].float() @ lm_head.float().T).argmax(-1)
+        lm, run = b["loss_mask"], torch.ones_like(b["loss_mask"])
+        count = torch.zeros(lm.shape, dtype=torch.long)
+        for k, lk in enumerate(logits):
+            run = run & (model.to_target(lk.argmax(-1)) == shift(target, k + 1)) & shift(lm, k + 2)
+            count += run
+        counts.append(count[shift(lm, 1) & shift(lm, 2)])
+    return float(1 + torch.cat(counts).float().mean())
+
+
+def test_the_chain_estimates_equal_the_full_vocab_oracle(data, tmp_path):
+    """train.offline_acceptance (cut at max_length, batches of batch_size) and evaluate.offline
+    (whole samples), both draft-vocab p in chunks, against whole full-vocab logits."""
     fit_tiny(data, tmp_path / "d", epochs=3)
     model = train.load(tmp_path / "d")
     reader, train_refs, held = split(data)
@@ -44,10 +62,13 @@ def test_the_chain_estimate_equals_evaluates_full_vocab_one(data, tmp_path):
     head = TargetHead(data["lm_head"], model.t2d)
     hp = HP | {"select": SELECT}
     for refs in (train_refs, held):
+        oracle = full_vocab_chain(model, reader, refs, data["lm_head"], 3)
         mine = train.offline_acceptance(model, [reader], refs, hp, head, run)
-        full = evaluate.offline(model, [reader], refs, data["lm_head"], [3])
-        assert mine == pytest.approx(full["num_steps_3"]["acceptance_length"], abs=1e-6)
-    assert mine > 1.05  # the held-out twins are learnt: the chain is accepted at times
+        full = evaluate.offline(model, [reader], refs, data["lm_head"], [1, 3])
+        assert mine == pytest.approx(oracle, abs=1e-6)
+        assert full["num_steps_3"]["acceptance_length"] == pytest.approx(oracle, abs=1e-6)
+        assert full["num_steps_1"]["acceptance_length"] <= oracle
+    assert oracle > 1.05  # the held-out twins are learnt: the chain is accepted at times
 
 
 def test_the_best_epoch_is_the_drafter_and_the_curve_is_recorded(data, tmp_path):

@@ -43,7 +43,7 @@ from eaglet.model.target import (
     materialize,
     pick_device,
 )
-from eaglet.model.target_head import shift
+from eaglet.model.target_head import TargetHead
 from eaglet.progress import Progress
 from eaglet.stages import drafter_data, engine_eval, suites, train
 from eaglet.stages.engine_eval import temperature_key
@@ -71,24 +71,12 @@ def offline(
 ) -> dict:
     """Acceptance estimated from held-out hidden states: at every start position t whose
     token t+1 is an assistant token, the draft chain is accepted while step k's draft equals
-    the target's argmax at t+k+1 and token t+k+2 is still in the response."""
-    steps = max(num_steps)
-    accepted: list[torch.Tensor] = []
-    for i in range(0, len(refs), 4):
-        b = drafter_data.load(readers, refs[i : i + 4], 1 << 30)
-        b = {k: v.to(lm_head.device) for k, v in b.items()}
-        logits = model(b["aux"], b["input_ids"], steps)
-        target = (b["last"].float() @ lm_head.float().T).argmax(-1)
-        lm = b["loss_mask"]
-        run = torch.ones_like(lm)
-        count = torch.zeros(lm.shape, dtype=torch.long, device=lm.device)
-        for k, lk in enumerate(logits):
-            hit = model.to_target(lk.argmax(-1)) == shift(target, k + 1)
-            run = run & hit & shift(lm, k + 2)
-            count += run
-        start = shift(lm, 1) & shift(lm, 2)
-        accepted.append(count[start].cpu())
-    n = torch.cat(accepted) if accepted else torch.zeros(0, dtype=torch.long)
+    the target's argmax at t+k+1 and token t+k+2 is still in the response. Training's
+    measure (train.chain_accepted) over whole samples: logits go in chunks, so a 32K-token
+    sample never holds a [T, vocab] tensor."""
+    run = train.Run("float32", lm_head.device.type)
+    head = TargetHead(lm_head, model.t2d.to(lm_head.device)).to(lm_head.device)
+    n = train.accepted_counts(model, readers, refs, head, max(num_steps), run, 4, 1 << 30)
     out = {}
     for s in num_steps:
         kept = n.clamp(max=s)
@@ -218,6 +206,13 @@ CODE = Code(
         "eaglet.engines.vllm:eagle3",
         "eaglet.engines.vllm_plugin",
         "eaglet.stages.train:load",
+        "eaglet.stages.train:Run",
+        "eaglet.stages.train:step_masks",
+        "eaglet.stages.train:prepare",
+        "eaglet.stages.train:chain_accepted",
+        "eaglet.stages.train:accepted_counts",
+        "eaglet.stages.drafter_data:collate",
+        "eaglet.stages.drafter_data:load",
     ),
 )
 

@@ -79,6 +79,7 @@ CODE = Code(
         "eaglet.stages.vocab:load",
         "eaglet.stages.warm_start:start_from",
         "eaglet.stages.train:chain_accepted",
+        "eaglet.stages.train:accepted_counts",
         "eaglet.stages.train:offline_acceptance",
         "eaglet.stages.train:select",
     ),
@@ -282,17 +283,24 @@ def chain_accepted(model: Drafter, b: dict, steps: int, head: TargetHead, run: R
     return count[shift(lm, 1) & shift(lm, 2)].cpu()
 
 
+def accepted_counts(
+    model: Drafter, readers, refs, head: TargetHead, steps: int, run: Run, batch: int, length: int
+) -> Tensor:
+    """chain_accepted over the samples `refs`, `batch` samples at a time, each cut at `length`
+    tokens: one count per answer start position."""
+    counts = []
+    for i in range(0, len(refs), batch):
+        part = refs[i : i + batch]
+        b = prepare(drafter_data.load(readers, part, length), head, steps, run.device, part)
+        counts.append(chain_accepted(model, b, steps, head, run))
+    return torch.cat(counts) if counts else torch.zeros(0, dtype=torch.long)
+
+
 def offline_acceptance(model: Drafter, readers, refs, hp: dict, head: TargetHead, run) -> float:
     """Offline acceptance length of `select.num_steps` chained drafts over the samples `refs`:
     1 + the mean accepted count over every answer start position."""
     steps = hp["select"]["num_steps"]
-    counts = []
-    for i in range(0, len(refs), hp["batch_size"]):
-        part = refs[i : i + hp["batch_size"]]
-        batch = drafter_data.load(readers, part, hp["max_length"])
-        counts.append(chain_accepted(model, prepare(batch, head, steps, run.device, part), steps,
-                                     head, run))  # fmt: skip
-    n = torch.cat(counts) if counts else torch.zeros(0, dtype=torch.long)
+    n = accepted_counts(model, readers, refs, head, steps, run, hp["batch_size"], hp["max_length"])
     return float(1 + n.float().mean()) if len(n) else 1.0
 
 
