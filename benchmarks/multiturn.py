@@ -36,6 +36,9 @@ import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+from warm_start import engine_acceptance  # noqa: E402
 
 from eaglet.formats.io import read_json, read_jsonl  # noqa: E402
 from eaglet.graph.keys import Keys  # noqa: E402
@@ -70,7 +73,7 @@ def params(budget: int, prompts: int, seed: int) -> dict:
     return {
         "target": demo.data["target"],
         "backends": demo.data["backends"],
-        "generation": {k: demo.data["generation"][k] for k in demo.data["generation"]},
+        "generation": dict(demo.data["generation"]),
         "datasets": {
             "all": conv | {"turns": "all"},
             "last": conv | {"turns": "last"},
@@ -83,6 +86,10 @@ def params(budget: int, prompts: int, seed: int) -> dict:
 def run(work: Path, *cmd: str) -> None:
     env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "DVC_NO_ANALYTICS": "1"}
     subprocess.run(cmd, cwd=work, env=env, check=True)
+
+
+def write_jsonl(path: Path, rows: list[dict]) -> None:
+    path.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows))
 
 
 def mtbench() -> list[dict]:
@@ -102,28 +109,20 @@ def suites(work: Path, keys: Keys) -> None:
             {"messages": [*t1[-1]["messages"], answer, {"role": "user", "content": q["turns"][1]}]}
         )
     for name, rows in (("mtbench_t1", t1), ("mtbench_t2", t2)):
-        text = "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows)
-        (work / "data" / "heldout" / f"{name}.jsonl").write_text(text)
+        write_jsonl(work / "data" / "heldout" / f"{name}.jsonl", rows)
 
 
 def row(keys: Keys, name: str) -> str:
     resp = read_json(keys.sidecar("responses", name))["stats"]
     hid = read_json(keys.sidecar("hidden", name))["stats"]
     st = read_json(keys.sidecar("train", name))["stats"]
-    ev = read_json(keys.sidecar("evaluate", name))["stats"]
-    acc = []
-    for suite, s in ev["suites"].items():
-        for k, v in s.items():
-            if k.startswith("vllm_temperature_"):
-                t = k.removeprefix("vllm_temperature_")
-                acc.append(f"{suite} t={t} " + "/".join(f"{x:.3f}" for x in v.values()))
     top1 = (st.get("heldout") or {}).get("acc") or []
     convs = resp["conversations"]
     return (
         f"| {name} | {convs} | {resp['responses']} | {resp['completion_tokens']:,} | "
         f"{hid['loss_tokens'] / convs:.0f} | {hid['tokens']:,} ({hid['samples']} samples) | "
         f"{st['steps']} | {st['elapsed_s']:.0f} s | {', '.join(f'{x:.3f}' for x in top1)} | "
-        f"{'; '.join(acc)} |"
+        f"{engine_acceptance(keys, name)} |"
     )
 
 
@@ -146,9 +145,7 @@ def main() -> None:
     shutil.copy(CONVERSATIONS, work / "data" / "demo" / "multiturn.jsonl")
     first = [{"messages": [{"role": "user", "content": q["turns"][0]}]} for q in mtbench()]
     (work / "data" / "heldout").mkdir(parents=True, exist_ok=True)
-    (work / "data" / "heldout" / "mtbench_turn1.jsonl").write_text(
-        "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in first)
-    )
+    write_jsonl(work / "data" / "heldout" / "mtbench_turn1.jsonl", first)
     path = work / "params.yaml"
     path.write_text(yaml.safe_dump(params(args.budget, args.prompts, args.seed), sort_keys=False))
     t0 = time.perf_counter()

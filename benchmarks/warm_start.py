@@ -75,8 +75,9 @@ def overlay(params_path: Path, new: str, samples: int, seeds: list[int]) -> dict
     }
 
 
-def row(keys: Keys, name: str) -> str:
-    st = read_json(keys.sidecar("train", name))["stats"]
+def engine_acceptance(keys: Keys, name: str) -> str:
+    """vLLM's acceptance length of drafter `name` per suite and temperature (per num_steps),
+    from its evaluate sidecar: `natural t=0 1.398; ...`."""
     ev = read_json(keys.sidecar("evaluate", name))["stats"]
     acc = []
     for suite, s in ev["suites"].items():
@@ -84,6 +85,11 @@ def row(keys: Keys, name: str) -> str:
             if k.startswith("vllm_temperature_"):
                 t = k.removeprefix("vllm_temperature_")
                 acc.append(f"{suite} t={t} " + "/".join(f"{x:.3f}" for x in v.values()))
+    return "; ".join(acc)
+
+
+def row(keys: Keys, name: str) -> str:
+    st = read_json(keys.sidecar("train", name))["stats"]
     warm, sel = st.get("init_from"), st.get("selected")
     start = f"demo drafter ({warm['rows_copied']}/{warm['draft_vocab']} rows)" if warm else "-"
     if sel:
@@ -92,7 +98,7 @@ def row(keys: Keys, name: str) -> str:
     top1 = (st.get("heldout") or {}).get("acc") or []
     return (
         f"| {name} | {start} | {st['steps']} | {st['elapsed_s']:.0f} s | "
-        f"{', '.join(f'{x:.3f}' for x in top1)} | {'; '.join(acc)} |"
+        f"{', '.join(f'{x:.3f}' for x in top1)} | {engine_acceptance(keys, name)} |"
     )
 
 

@@ -27,6 +27,7 @@ from eaglet.model import speculative
 from eaglet.model.drafter import Drafter
 from eaglet.model.target import materialize, resolve, spec_of
 from eaglet.stages import engine_eval, export, train
+from eaglet.stages.turns import cuts
 
 from .conftest import ROOT, tiny_params, write_params
 from .hidden_fixture import tiny_llama
@@ -152,8 +153,6 @@ def test_vllm_backend_answers_equal_the_in_process_backend(project):
     }
     data["datasets"]["sg_vllm"] = dict(data["datasets"]["sg"], backend="engine")
     params = load(write_params(project, data))
-    from eaglet.stages.turns import cuts
-
     answers = {}
     for ds in ("sg", "sg_vllm"):
         prompts = list(read_jsonl(build("prompts", params, ds)))
