@@ -15,7 +15,7 @@ a ceiling measured on the same machine a moment before:
      needs `make demo` first, else skipped).
 Threads: --threads (the demo's jobs use 2). CPU pressure is shown next to the numbers.
 
-    .venv/bin/python benchmarks/ceilings.py [--batch 128] [--prompts 256] [--train-steps 12]
+    .venv/bin/python -m benchmarks.ceilings [--batch 128] [--prompts 256] [--train-steps 12]
         [--params BUILT_DEMO/params.yaml]
 """
 
@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -32,26 +31,22 @@ from pathlib import Path
 import torch
 import yaml
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "src"))
-sys.path.insert(0, str(ROOT / "benchmarks"))
-
-from hidden_states import bare, pressure, project, stage  # noqa: E402
-
-from eaglet.engines.vllm import Engine, serve_config  # noqa: E402
-from eaglet.errors import EagletError  # noqa: E402
-from eaglet.formats.chat import prompt_ids  # noqa: E402
-from eaglet.formats.hidden_store import HiddenReader  # noqa: E402
-from eaglet.formats.io import read_json, read_jsonl  # noqa: E402
-from eaglet.graph.keys import Keys, build, sidecar_of  # noqa: E402
-from eaglet.model.drafter import Drafter, DrafterConfig  # noqa: E402
-from eaglet.model.target import load_config, load_head, load_model, load_tokenizer, spec_of  # noqa: E402
-from eaglet.params import load  # noqa: E402
-from eaglet.stages import (  # noqa: E402
+from benchmarks.common import bare, fit_args, pressure, project, stage
+from eaglet.engines.vllm import Engine, serve_config
+from eaglet.errors import EagletError
+from eaglet.formats.chat import prompt_ids
+from eaglet.formats.hidden_store import HiddenReader
+from eaglet.formats.io import read_json, read_jsonl
+from eaglet.graph.keys import build, sidecar_of
+from eaglet.model.drafter import Drafter
+from eaglet.model.target import load_model, load_tokenizer, spec_of
+from eaglet.params import load
+from eaglet.stages import (
     drafter_data,
     train,
-    vocab,
 )
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def best(fn, runs: int) -> float:
@@ -155,28 +150,6 @@ def hidden(args, model) -> dict:
     return {
         "bare_trunk_tokens_s": round(ceiling, 1),
         "stage_tokens_s": round(st["tokens"] / (st["elapsed_s"] - st["load_s"]), 1),
-    }
-
-
-def fit_args(params, drafter: str, readers: list) -> dict:
-    """train.fit's arguments as the drafter's train stage passes them (its hyperparameters,
-    the target's head), the draft vocab picked from `readers`."""
-    d = params.drafter(drafter)
-    hp = Keys(params).provenance("train", drafter)["params"]["train"]
-    spec = spec_of(params)
-    size = d["draft_vocab_size"]
-    d2t, t2d = vocab.select(
-        vocab.count_tokens(readers, readers[0].manifest["target"]["vocab_size"]), size
-    )
-    cfg = DrafterConfig.from_target(
-        load_config(spec), size, readers[0].manifest["aux_layer_ids"]["sglang"]
-    )
-    embed, lm_head = load_head(spec)
-    return {
-        "readers": readers,
-        "cfg": cfg,
-        "tensors": {"embed": embed, "lm_head": lm_head, "d2t": d2t, "t2d": t2d},
-        "hp": hp | {"heldout_fraction": d["heldout_fraction"]},
     }
 
 

@@ -14,7 +14,7 @@ Then a fit of acceptance length against log(answer tokens) over the runs at the 
 and the tokens it puts at acceptance length 2.0 (an extrapolation: read it as an order of
 magnitude).
 
-    .venv/bin/python benchmarks/data_scaling.py [--params params.yaml] [--drafter demo]
+    .venv/bin/python -m benchmarks.data_scaling [--params params.yaml] [--drafter demo]
         [--runs 0.25,0.5,1,1:6] [--steps 3]
 """
 
@@ -24,29 +24,24 @@ import argparse
 import json
 import math
 import random
-import sys
 import tempfile
 from pathlib import Path
 
 import torch
 import yaml
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "src"))
-sys.path.insert(0, str(ROOT / "benchmarks"))
-
-from ceilings import fit_args  # noqa: E402
-from hidden_states import pressure  # noqa: E402
-
-from eaglet.formats.hidden_store import HiddenReader  # noqa: E402
-from eaglet.formats.io import read_json  # noqa: E402
-from eaglet.graph.keys import Keys, build  # noqa: E402
-from eaglet.params import load  # noqa: E402
-from eaglet.stages import (  # noqa: E402
+from benchmarks.common import fit_args, pressure
+from eaglet.formats.hidden_store import HiddenReader
+from eaglet.formats.io import read_json
+from eaglet.graph.keys import Keys, build
+from eaglet.params import load
+from eaglet.stages import (
     drafter_data,
     evaluate,
     train,
 )
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 class Share:

@@ -10,7 +10,7 @@ build them first, e.g. `make demo`), with the draft vocab picked from the same d
      offline estimate from the held-out hidden states.
 CPU pressure is shown next to the numbers.
 
-    .venv/bin/python benchmarks/drafter.py [--steps 10] [--runs 2] [--budget 600] [--prompts 16]
+    .venv/bin/python -m benchmarks.drafter [--steps 10] [--runs 2] [--budget 600] [--prompts 16]
 """
 
 from __future__ import annotations
@@ -18,27 +18,25 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
 import tempfile
 from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "src"))
-
-from eaglet.formats.chat import stop_ids  # noqa: E402
-from eaglet.graph.keys import Keys  # noqa: E402
-from eaglet.model import speculative  # noqa: E402
-from eaglet.model.drafter import DrafterConfig  # noqa: E402
-from eaglet.model.target import load_config, load_head, load_model, load_tokenizer, spec_of  # noqa: E402
-from eaglet.params import load  # noqa: E402
-from eaglet.stages import (  # noqa: E402
+from eaglet.formats.chat import stop_ids
+from eaglet.graph.keys import Keys
+from eaglet.model import speculative
+from eaglet.model.drafter import DrafterConfig
+from eaglet.model.target import load_config, load_head, load_model, load_tokenizer, spec_of
+from eaglet.params import load
+from eaglet.stages import (
     drafter_data,
     evaluate,
     train,
     vocab,
 )
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def pressure() -> str:

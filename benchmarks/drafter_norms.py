@@ -16,7 +16,7 @@ speculators 0.9's defaults (norm_before_fc + norm_before_residual + norm_output)
 WORK/results.json as they come (a rerun with the same --work skips what is there); the table at
 the end: variant x seed, then per variant the mean and the spread over seeds.
 
-    .venv/bin/python benchmarks/drafter_norms.py --params params.yaml [--seeds 0,1,2]
+    .venv/bin/python -m benchmarks.drafter_norms --params params.yaml [--seeds 0,1,2]
         [--variants eagle3,eagle3.1,speculators] [--epochs N] [--work DIR] [--threads 2]
 """
 
@@ -26,23 +26,18 @@ import argparse
 import dataclasses
 import json
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 import torch
 
+from benchmarks.common import export_eaglet, fit_args, serve_all, train_eaglet
+from eaglet.model.target import load_config, materialize, spec_of
+from eaglet.params import load
+from eaglet.stages import drafter_data, train
+
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "src"))
-sys.path.insert(0, str(ROOT / "benchmarks"))
-
-from ceilings import fit_args  # noqa: E402
-from peer_speculators import export_eaglet, serve_all, train_eaglet  # noqa: E402
-
-from eaglet.model.target import load_config, materialize, spec_of  # noqa: E402
-from eaglet.params import load  # noqa: E402
-from eaglet.stages import drafter_data, train  # noqa: E402
 
 VARIANTS = {
     "eagle3": {},

@@ -10,8 +10,8 @@ after a fixed latency, measured side by side in one run:
   3. peak RSS of `eaglet generate` for 10k and 100k prompts (zero latency, so as fast as the
      client goes), each in a fresh process.
 
-    python benchmarks/generation_client.py                 # latency 2 s (a short real answer)
-    python benchmarks/generation_client.py --latency 0.25 --rss ""
+    .venv/bin/python -m benchmarks.generation_client     # latency 2 s (a short real answer)
+    .venv/bin/python -m benchmarks.generation_client --latency 0.25 --rss ""
 """
 
 from __future__ import annotations
@@ -32,7 +32,6 @@ import yaml
 from eaglet.graph.keys import build
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(ROOT / "src"), str(ROOT)]
 
 KEY = "sk-bench-0000"
 CAP = 32

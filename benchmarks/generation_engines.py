@@ -9,7 +9,7 @@ then vLLM, so that the load of a shared machine falls on both alike. Reported: c
 tokens/s of each (generation only), vLLM's start-up time, the transformers model load time, the
 per-round spread, and on how many prompts the two answered the same ids.
 
-    .venv/bin/python benchmarks/generation_engines.py [--prompts 48] [--threads 2]
+    .venv/bin/python -m benchmarks.generation_engines [--prompts 48] [--threads 2]
 """
 
 from __future__ import annotations
@@ -17,17 +17,15 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "src"))
+from eaglet.engines.lookup import generator
+from eaglet.formats.io import read_jsonl
+from eaglet.model.target import spec_of
+from eaglet.params import from_dict
 
-from eaglet.engines.lookup import generator  # noqa: E402
-from eaglet.formats.io import read_jsonl  # noqa: E402
-from eaglet.model.target import spec_of  # noqa: E402
-from eaglet.params import from_dict  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
 
 
 async def _run(backend, requests: list[dict]) -> tuple[list[dict], float]:

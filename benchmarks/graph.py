@@ -6,7 +6,7 @@ x 3 stages, each against a plain Snakemake graph with the same jobs at fixed pat
 A/B in one run. The outputs are created empty from `snakemake --summary` (a no-op only needs
 them to exist) and the benchmark checks that both graphs then have nothing to do.
 
-    .venv/bin/python benchmarks/graph.py [--runs 5]
+    .venv/bin/python -m benchmarks.graph [--runs 5]
 Targets: keyed / plain <= 1.2x; absolute no-op for 8 datasets < 1.5 s.
 """
 

@@ -9,7 +9,7 @@ of benchmarks/hidden_states.py:
   2. at H = 7,168 (Kimi-K2.5), per token: JSON encode + decode of the 4 x H floats SGLang returns
      (`.tolist()` then json), against a safetensors write + read of the same states in bf16.
 
-    .venv/bin/python benchmarks/hidden_engine.py [--samples 16] [--tokens 256] [--runs 1]
+    .venv/bin/python -m benchmarks.hidden_engine [--samples 16] [--tokens 256] [--runs 1]
 """
 
 from __future__ import annotations
@@ -23,8 +23,9 @@ import time
 from pathlib import Path
 
 import torch
-from hidden_states import pressure, project, stage, with_hidden
 from safetensors.torch import load_file, save_file
+
+from benchmarks.common import pressure, project, stage, with_hidden
 
 KIMI_HIDDEN = 7168
 STATES = 4  # 3 aux layers + the final state

@@ -9,7 +9,7 @@ target): per mode, the wall time of `eaglet hidden` (every dataset) and of `eagl
 drafter's held-out top-1 accuracy per TTT step. Hybrid is then trained a second time (another
 seed) to show a run that reads only its cache.
 
-    .venv/bin/python benchmarks/hidden_modes.py [--sg 24] [--dolly 16] [--new-tokens 48]
+    .venv/bin/python -m benchmarks.hidden_modes [--sg 24] [--dolly 16] [--new-tokens 48]
         [--epochs 3] [--offline-backend vllm|transformers] [--out F]
 """
 
@@ -27,12 +27,11 @@ from pathlib import Path
 
 import yaml
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "src"))
+from eaglet.formats.io import read_json
+from eaglet.graph.keys import Keys
+from eaglet.params import load
 
-from eaglet.formats.io import read_json  # noqa: E402
-from eaglet.graph.keys import Keys  # noqa: E402
-from eaglet.params import load  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
 
 DATASETS = ("sg", "dolly")
 

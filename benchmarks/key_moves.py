@@ -1,6 +1,6 @@
 """What an edit moves: the demo's keys and the code guard after each edit of a copy of the package.
 
-    .venv/bin/python benchmarks/key_moves.py
+    .venv/bin/python -m benchmarks.key_moves
 
 Each edit is applied to a fresh copy of src/eaglet; `eaglet keys --json` on the root params.yaml
 gives the keys, `eaglet code` the guard's verdict. Prints one Markdown table (docs/benchmarks.md).

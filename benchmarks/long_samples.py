@@ -11,7 +11,7 @@ over its RSS before the step.
            recomputed in backward (activation checkpointing)
   full     the explicit score matrix: one chunk, kept for backward (what attend did before)
 
-    .venv/bin/python benchmarks/long_samples.py [--lengths 1024 4096 16384] [--full 1024 4096]
+    .venv/bin/python -m benchmarks.long_samples [--lengths 1024 4096 16384] [--full 1024 4096]
 """
 
 from __future__ import annotations
@@ -25,7 +25,6 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "src"))
 
 DEMO = {
     "vocab_size": 49152,

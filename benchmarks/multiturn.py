@@ -17,7 +17,7 @@ target, engine and hyperparameters, a params file of its own):
   4. the table: conversations and turns supervised, supervised tokens per conversation, hidden
      tokens, train time, held-out top-1, vLLM acceptance length per suite and temperature.
 
-    .venv/bin/python benchmarks/multiturn.py --work DIR [--budget 12000] [--prompts 40]
+    .venv/bin/python -m benchmarks.multiturn --work DIR [--budget 12000] [--prompts 40]
         [--seed 0] [--cores 2]
 """
 
@@ -34,15 +34,12 @@ from pathlib import Path
 
 import yaml
 
+from benchmarks.common import engine_acceptance
+from eaglet.formats.io import read_json, read_jsonl
+from eaglet.graph.keys import Keys
+from eaglet.params import load
+
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "src"))
-sys.path.insert(0, str(ROOT / "benchmarks"))
-
-from warm_start import engine_acceptance  # noqa: E402
-
-from eaglet.formats.io import read_json, read_jsonl  # noqa: E402
-from eaglet.graph.keys import Keys  # noqa: E402
-from eaglet.params import load  # noqa: E402
 
 COPY = ["Snakefile", "rules", "envs", "dvc.yaml"]
 MTBENCH = ROOT / "data" / "heldout" / "mtbench.jsonl"

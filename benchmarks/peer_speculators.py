@@ -24,14 +24,13 @@ On a built demo (`make demo`), in one run:
      demo's evaluate stage reads it (eaglet.stages.engine_eval), and each output against the plain
      greedy text of the same engine.
 
-    .venv/bin/python benchmarks/peer_speculators.py [--params params.yaml] [--drafter demo]
+    .venv/bin/python -m benchmarks.peer_speculators [--params params.yaml] [--drafter demo]
         [--work DIR] [--threads 2] [--speculators-arg=--optimizer=adamw ...]
 """
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import os
 import subprocess
@@ -44,23 +43,15 @@ import numpy as np
 import torch
 from safetensors.torch import save_file
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "src"))
-sys.path.insert(0, str(ROOT / "benchmarks"))
-
-from ceilings import fit_args  # noqa: E402
-
-from eaglet.engines import vllm  # noqa: E402
-from eaglet.model.speculative import against_greedy  # noqa: E402
-from eaglet.model.target import load_config, load_tensor, load_tokenizer, materialize, spec_of  # noqa: E402
-from eaglet.params import load  # noqa: E402
-from eaglet.stages import (  # noqa: E402
+from benchmarks.common import export_eaglet, fit_args, serve_all, train_eaglet
+from eaglet.engines import vllm
+from eaglet.model.target import load_config, load_tensor, materialize, spec_of
+from eaglet.params import load
+from eaglet.stages import (
     drafter_data,
-    engine_eval,
-    export,
-    suites,
-    train,
 )
+
+ROOT = Path(__file__).resolve().parents[1]
 
 VENV = ROOT / ".venv-speculators"
 SHIM = ROOT / "benchmarks" / "peer_speculators_shim.py"
@@ -141,23 +132,6 @@ def check_prenorm(spec, readers: list, refs: list, norm_w, eps: float, n: int = 
     return {"samples": n, "stored_vs_target": worst_stored, "exported_vs_target": worst_export}
 
 
-def train_eaglet(a: dict, hp: dict, out: Path) -> dict:
-    """eaglet's train stage on the demo's data and hyperparameters; its vLLM export."""
-    t0 = time.perf_counter()
-    st = train.fit(**a, hp=hp, out=out / "trained", checkpoint_every=10**9, quiet=True)
-    seconds = time.perf_counter() - t0
-    model = train.load(out / "trained")
-    return {"seconds": seconds, "stats": st, "model": model}
-
-
-def export_eaglet(model, verifier: dict, out: Path) -> Path:
-    folder = out / "vllm"
-    folder.mkdir(parents=True, exist_ok=True)
-    export.write(model, "vllm", folder, verifier, 3)
-    export.validate(folder, model)
-    return folder
-
-
 def train_speculators(
     py: Path,
     data: Path,
@@ -213,51 +187,6 @@ def train_speculators(
     info = {k: v for line in lines for k, v in line.items()}
     last = max((p for p in save.iterdir() if p.name.isdigit()), key=lambda p: int(p.name))
     return {"seconds": seconds, "checkpoint": last, "log": log, **info}
-
-
-def serve_all(
-    params, drafter: str, exports: dict[str, Path], threads: int, greedy_check: bool
-) -> dict:
-    """Plain greedy once (the reference text), then each drafter at the evaluate stage's
-    fewest steps, on its prompts."""
-    cfg = params.drafter(drafter)["evaluate"]
-    spec = spec_of(params)
-    folder = materialize(spec)
-    tok = load_tokenizer(spec)
-    readers = drafter_data.open_readers(drafter_data.states(params, drafter))
-    # the first evaluate suite (the demo's: the natural held-out prompts)
-    prompts = next(
-        iter(suites.prompts(suites.configured(params, drafter), drafter, readers, tok, []).values())
-    )
-    stop = sorted(vllm.target_stop_ids(tok, folder))
-    serve = vllm.ServeConfig(
-        model=folder,
-        served_name=spec.name,
-        dtype=cfg["dtype"],
-        max_model_len=params.target["max_length"],
-        max_num_seqs=cfg["engine_concurrency"],
-        enforce_eager=cfg["engine_eager"],
-        threads=threads,
-    )
-    new, conc = cfg["max_new_tokens"], cfg["engine_concurrency"]
-    steps = min(cfg["num_steps"])
-    out: dict = {"prompts": len(prompts), "steps": steps}
-    plain, greedy_tps = None, None
-    if greedy_check:
-        with vllm.Engine(serve) as engine:
-            plain = engine_eval.run(engine, serve.served_name, prompts, new, stop, conc)
-        greedy_tps = plain["tokens"] / plain["seconds"]
-    for name, path in exports.items():
-        spec_serve = dataclasses.replace(serve, speculative=vllm.eagle3(path, steps))
-        with vllm.Engine(spec_serve) as e:
-            r = engine_eval.run(e, serve.served_name, prompts, new, stop, conc)
-        m = r["counters"].summary()
-        if plain:
-            same = [a == b for a, b in zip(r["outputs"], plain["outputs"], strict=True)]
-            m.update(against_greedy(same, r["tokens"] / r["seconds"], greedy_tps))
-        out[name] = m
-        print(f"# {name}: {json.dumps(m)}", flush=True)
-    return out
 
 
 def main() -> None:

@@ -11,7 +11,7 @@ tokens, acceptance length), as eaglet.stages.engine_eval reads them. Beside each
 speculative decoding of the same prompts with the trained drafter (fp32), over `--seeds` seeds:
 their mean and range. `VLLM_PLUGINS=none` runs the engine as it ships.
 
-    .venv/bin/python benchmarks/sampled_acceptance.py [--params params.yaml] [--drafter demo]
+    .venv/bin/python -m benchmarks.sampled_acceptance [--params params.yaml] [--drafter demo]
         [--temperatures 0.01 0.3 0.7] [--seeds 3] [--threads 2]
 """
 
@@ -25,17 +25,16 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "src"))
+from eaglet.engines.vllm import Engine, ServeConfig, eagle3, spec_counters, target_stop_ids
+from eaglet.formats.chat import prompt_ids
+from eaglet.formats.io import read_jsonl
+from eaglet.graph.keys import Keys
+from eaglet.model import speculative
+from eaglet.model.target import load_model, load_tokenizer, materialize, spec_of
+from eaglet.params import load
+from eaglet.stages import engine_eval, train
 
-from eaglet.engines.vllm import Engine, ServeConfig, eagle3, spec_counters, target_stop_ids  # noqa: E402
-from eaglet.formats.chat import prompt_ids  # noqa: E402
-from eaglet.formats.io import read_jsonl  # noqa: E402
-from eaglet.graph.keys import Keys  # noqa: E402
-from eaglet.model import speculative  # noqa: E402
-from eaglet.model.target import load_model, load_tokenizer, materialize, spec_of  # noqa: E402
-from eaglet.params import load  # noqa: E402
-from eaglet.stages import engine_eval, train  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
 
 PROMPTS, NEW_TOKENS, STEPS = 16, 96, 3
 

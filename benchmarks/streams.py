@@ -10,8 +10,8 @@ thinking mode (reasoning, answer, a tool call in one of four), measured side by 
   3. tokenizing the stream alone (the floor any writer pays).
 Reported as generated tokens per second of one core, and as ratios to 3.
 
-    python benchmarks/streams.py                    # 400 answers of ~1.5K tokens
-    python benchmarks/streams.py --answers 100 --words 2000
+    .venv/bin/python -m benchmarks.streams                    # 400 answers of ~1.5K tokens
+    .venv/bin/python -m benchmarks.streams --answers 100 --words 2000
 """
 
 from __future__ import annotations
@@ -19,14 +19,11 @@ from __future__ import annotations
 import argparse
 import json
 import random
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 import torch
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from eaglet.formats.grammar import grammar
 from eaglet.formats.stream import Parsers, Writer

@@ -11,10 +11,10 @@ eaglet.model.train_memory's derived per-token figure (fp32, the collated batch i
 Then the Kimi-K2.5 projection (arithmetic only). Widths other than 576 (the demo's own shape)
 are Kimi's drafter scaled down: MHA, heads of 128, MLP 18432/7168 x H.
 
-    .venv/bin/python benchmarks/train_memory.py [--widths 256 576] [--lengths 2560 5120]
+    .venv/bin/python -m benchmarks.train_memory [--widths 256 576] [--lengths 2560 5120]
         [--settings demo kimi] [--jobs 2] [--save points.json]
-    .venv/bin/python benchmarks/train_memory.py --points points.json   # the tables again
-    .venv/bin/python benchmarks/train_memory.py --time-against /tmp/old/src [--steps 20]
+    .venv/bin/python -m benchmarks.train_memory --points points.json   # the tables again
+    .venv/bin/python -m benchmarks.train_memory --time-against /tmp/old/src [--steps 20]
 
 Lengths above drafter.RECOMPUTE (2,048 positions), where long samples train.
 --time-against: the demo setting (width 576, 3 steps, vocab 4,096; 4 samples of 300 tokens a
@@ -240,7 +240,6 @@ def main() -> None:
     elif args.time_against:
         timing(args)
     else:
-        sys.path.insert(0, str(ROOT / "src"))
         if args.points:  # the table again from a saved run
             points = json.loads(Path(args.points).read_text())
         else:

@@ -19,7 +19,7 @@ On a built demo (`make demo`), through the graph itself (params, snakemake, the 
      temperature; the demo drafter itself (trained on the demo's questions, 4 epochs) as the
      first row.
 
-    .venv/bin/python benchmarks/warm_start.py [--params params.yaml] [--samples 240]
+    .venv/bin/python -m benchmarks.warm_start [--params params.yaml] [--samples 240]
         [--seeds 0] [--cores 2]
 """
 
@@ -33,12 +33,12 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "src"))
+from benchmarks.common import engine_acceptance
+from eaglet.formats.io import read_json
+from eaglet.graph.keys import Keys
+from eaglet.params import load
 
-from eaglet.formats.io import read_json  # noqa: E402
-from eaglet.graph.keys import Keys  # noqa: E402
-from eaglet.params import load  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
 
 OVERLAY = "warm_start.bench.yaml"
 
@@ -73,19 +73,6 @@ def overlay(params_path: Path, new: str, samples: int, seeds: list[int]) -> dict
         "datasets": {"new_requests": {"path": new, "format": "alpaca", "max_samples": samples}},
         "drafters": drafters,
     }
-
-
-def engine_acceptance(keys: Keys, name: str) -> str:
-    """vLLM's acceptance length of drafter `name` per suite and temperature (per num_steps),
-    from its evaluate sidecar: `natural t=0 1.398; ...`."""
-    ev = read_json(keys.sidecar("evaluate", name))["stats"]
-    acc = []
-    for suite, s in ev["suites"].items():
-        for k, v in s.items():
-            if k.startswith("vllm_temperature_"):
-                t = k.removeprefix("vllm_temperature_")
-                acc.append(f"{suite} t={t} " + "/".join(f"{x:.3f}" for x in v.values()))
-    return "; ".join(acc)
 
 
 def row(keys: Keys, name: str) -> str:

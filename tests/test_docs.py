@@ -22,6 +22,7 @@ TOP = ("src/", "tests/", "benchmarks/", "examples/", "rules/", "docs/", "profile
 FILE_ARG = re.compile(r"(?:--params|--target-config|--overlay|params=|overlay=)[\s=]*([\w./-]+)")
 COPIED = re.compile(r"\bcp\s+\S+\s+([\w./-]+)")
 PLACEHOLDER = re.compile(r"[<>{}*$]|\.\.\.")
+MODULE = re.compile(r"-m\s+(benchmarks\.\w+)")
 
 
 def _subcommands() -> dict[str, argparse.ArgumentParser]:
@@ -96,6 +97,10 @@ def path_errors(text: str, page: Path, root: Path = ROOT) -> list[str]:
         for p in CODE_PATH.findall(line):
             if p.startswith(TOP) and not PLACEHOLDER.search(p) and not (root / p).exists():
                 errors.append(f"{page.name}:{n}: path '{p}' names nothing")
+    for n, line in code(text):
+        for mod in MODULE.findall(line):
+            if not (root / (mod.replace(".", "/") + ".py")).exists():
+                errors.append(f"{page.name}:{n}: module '{mod}' names nothing")
     made = {m for _, line in code(text) for m in COPIED.findall(line)}  # the page's `cp X Y`
     for n, line in code(text):
         for p in FILE_ARG.findall(line):
@@ -123,6 +128,7 @@ def test_the_checks_catch_what_disappears(tmp_path: Path) -> None:
         "    .venv/bin/eaglet frobnicate x\n"
         "    eaglet plan --params examples/kimi-k2.5.params.yaml --json   # fine\n"
         "    snakemake --cores 2 --config params=params.nowhere.yaml\n"
+        "    .venv/bin/python -m benchmarks.nowhere --runs 3\n"
         "See [it](docs/nowhere.md) and `src/eaglet/nowhere.py`; `src/eaglet/cli.py` is real.\n"
         "[ok](docs/pipeline.md#keys-rebuild-only-what-is-stale) [gone](docs/pipeline.md#nowhere)\n"
     )
@@ -133,8 +139,9 @@ def test_the_checks_catch_what_disappears(tmp_path: Path) -> None:
     (tmp_path / "docs").mkdir()
     (tmp_path / "docs" / "pipeline.md").write_text((ROOT / "docs" / "pipeline.md").read_text())
     assert path_errors(text, page) == [
-        "page.md:5: link 'docs/nowhere.md' names nothing",
-        "page.md:5: path 'src/eaglet/nowhere.py' names nothing",
-        "page.md:6: link 'docs/pipeline.md#nowhere': no such section",
+        "page.md:6: link 'docs/nowhere.md' names nothing",
+        "page.md:6: path 'src/eaglet/nowhere.py' names nothing",
+        "page.md:7: link 'docs/pipeline.md#nowhere': no such section",
+        "page.md:5: module 'benchmarks.nowhere' names nothing",
         "page.md:4: file 'params.nowhere.yaml' names nothing",
     ]

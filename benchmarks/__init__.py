@@ -1,0 +1,1 @@
+"""One script per measured claim: `.venv/bin/python -m benchmarks.NAME --help`."""
