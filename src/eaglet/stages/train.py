@@ -47,7 +47,7 @@ from eaglet.model.drafter import Drafter, DrafterConfig, Score, recomputed
 from eaglet.model.target import TargetSpec, load_head, pick_device
 from eaglet.model.target_head import TargetHead, shift
 from eaglet.progress import BEACON, Progress
-from eaglet.stages import drafter_data, vocab, warm_start
+from eaglet.stages import drafter_data, mixture, vocab, warm_start
 from eaglet.stages.train_spec import TrainSpec, warm_digest
 
 # The code that shapes this stage's bytes (eaglet.graph.code): bump the version when they change.
@@ -65,6 +65,8 @@ CODE = Code(
         "eaglet.stages.train:heldout",
         "eaglet.stages.train:Steps",
         "eaglet.stages.train:plan_steps",
+        "eaglet.stages.train:dataset_names",
+        "eaglet.stages.mixture",
         "eaglet.stages.train:make_trainer",
         "eaglet.stages.train:train_step",
         "eaglet.stages.train:fit",
@@ -321,7 +323,9 @@ def select(t: Trainer, readers, held: list, hp: dict, run: Run, step: int, epoch
 @dataclass(eq=False)
 class Steps:
     """Which samples each optimizer step trains on: a function of the seed, the epoch and the
-    process count only, so a resumed run sees the same order."""
+    process count only, so a resumed run sees the same order. `weights` (one per reader, from a
+    weighted `datasets`) make each epoch a mixture (eaglet.stages.mixture); without them an
+    epoch is every training sample once."""
 
     train: list
     held: list
@@ -329,6 +333,7 @@ class Steps:
     total: int
     seed: int
     run: Run
+    weights: list | None = None
     _order: dict[int, list] = field(default_factory=dict)  # the current epoch's
 
     @property
@@ -337,15 +342,23 @@ class Steps:
 
     def order(self, epoch: int) -> list:
         if epoch not in self._order:
-            order = list(self.train)
-            random.Random(self.seed * 100_003 + epoch).shuffle(order)
+            if self.weights is None:
+                order = list(self.train)
+                random.Random(self.seed * 100_003 + epoch).shuffle(order)
+            else:  # exactly the samples the epoch's steps train, per dataset by weight
+                size = self.per_epoch * self.per_step
+                order = mixture.order(self.train, self.weights, size, self.seed * 100_003 + epoch)
             self._order = {epoch: order}
         return self._order[epoch]
 
+    def batch(self, step: int) -> list:
+        """The step's global batch."""
+        epoch, index = divmod(step, self.per_epoch)
+        return self.order(epoch)[index * self.per_step : (index + 1) * self.per_step]
+
     def mine(self, step: int) -> list:
         """This process's share of the step's global batch."""
-        epoch, index = divmod(step, self.per_epoch)
-        refs = self.order(epoch)[index * self.per_step : (index + 1) * self.per_step]
+        refs = self.batch(step)
         rank, world = self.run.rank, self.run.world
         return refs[rank * len(refs) // world : (rank + 1) * len(refs) // world]
 
@@ -360,6 +373,27 @@ class Steps:
                 yield from self.held
         if self.run.rank == 0:
             yield from self.held
+
+    def seen(self, readers: list, hp: dict, upto: int | None = None) -> dict[str, dict]:
+        """Per dataset the samples, tokens (cut at max_length) and steps the first `upto`
+        steps (all of them by default) trained, with its weight when the mixture has one."""
+        names = dataset_names(readers, hp)
+        tokens = {
+            (i, s["id"]): s["tokens"] for i, r in enumerate(readers) for s in r.manifest["samples"]
+        }
+        batches = (self.batch(s) for s in range(self.total if upto is None else upto))
+        out = mixture.tally(batches, names, tokens, hp["max_length"])
+        if self.weights is not None:
+            for name, w in zip(names, self.weights, strict=True):
+                out[name] = {"weight": w} | out[name]
+        return out
+
+
+def dataset_names(readers: list, hp: dict) -> list[str]:
+    """The readers' dataset names: the weighted `datasets`' own, else the readers' manifests'."""
+    if "mixture" in hp:
+        return list(hp["mixture"])
+    return [r.manifest.get("dataset") or f"dataset{i}" for i, r in enumerate(readers)]
 
 
 def plan_steps(readers: list, hp: dict, run: Run) -> tuple[Steps, dict]:
@@ -379,10 +413,20 @@ def plan_steps(readers: list, hp: dict, run: Run) -> tuple[Steps, dict]:
         raise EagletError(
             f"{len(train_refs)} training samples, fewer than one global batch ({per_step})"
         )
+    weights = None
+    if "mixture" in hp:  # datasets: {name: weight}
+        names, weights = list(hp["mixture"]), list(hp["mixture"].values())
+        if len(weights) != len(readers):
+            raise EagletError(f"train: {len(readers)} readers for the datasets {names}")
+        if (name := mixture.empty(names, weights, train_refs)) is not None:
+            raise EagletError(
+                f"datasets.{name}: weight {hp['mixture'][name]} but no training sample (all "
+                "held out or skipped as overlong): give it weight 0 or more samples"
+            )
     total = len(train_refs) // per_step * hp["epochs"]
     if hp.get("max_steps"):
         total = min(total, hp["max_steps"])
-    steps = Steps(train_refs, held_refs, per_step, total, hp["seed"], run)
+    steps = Steps(train_refs, held_refs, per_step, total, hp["seed"], run, weights)
     return steps, {"train": long_train, "heldout": long_held}
 
 
@@ -457,8 +501,11 @@ def resume(ckpt: Path, t: Trainer, hp: dict, run: Run) -> int:
     return state["step"]
 
 
-def save_checkpoint(ckpt: Path, t: Trainer, step: int, steps: Steps, hp: dict) -> None:
-    """Everything a rerun needs to continue at `step` (rank 0 writes it, atomically)."""
+def save_checkpoint(
+    ckpt: Path, t: Trainer, step: int, steps: Steps, hp: dict, seen: dict | None = None
+) -> None:
+    """Everything a rerun needs to continue at `step` (rank 0 writes it, atomically); `seen`,
+    what each dataset trained so far, goes beside it for `eaglet status`."""
     if steps.run.rank != 0:
         return
     state = {
@@ -477,7 +524,8 @@ def save_checkpoint(ckpt: Path, t: Trainer, step: int, steps: Steps, hp: dict) -
     with atomic_path(ckpt) as tmp:
         torch.save(state, tmp)
     # how far it got, for `eaglet status` (reading the checkpoint itself would load it all)
-    write_json(ckpt.with_name("checkpoint.json"), {"step": step, "total": steps.total})
+    info = {"step": step, "total": steps.total} | ({"datasets": seen} if seen else {})
+    write_json(ckpt.with_name("checkpoint.json"), info)
 
 
 def train_step(
@@ -616,7 +664,8 @@ def fit(
             if "select" in hp:
                 select(t, readers, steps.held, hp, run, step, epoch)
         if (step + 1) % checkpoint_every == 0 and step + 1 < steps.total:
-            save_checkpoint(ckpt, t, step + 1, steps, hp)
+            seen = steps.seen(readers, hp, step + 1) if run.rank == 0 else None
+            save_checkpoint(ckpt, t, step + 1, steps, hp, seen)
     progress.close()
     elapsed = time.monotonic() - t0
     chosen = None
@@ -639,6 +688,7 @@ def fit(
         "processes": run.world,
         "dtype": run.dtype,
         "train_samples": len(steps.train),
+        "datasets": steps.seen(readers, hp),  # per dataset: samples, tokens, steps trained
         "heldout_samples": len(steps.held),
         "overlong": long,
         "final_loss": last["loss"] if last else None,
