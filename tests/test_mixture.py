@@ -176,16 +176,15 @@ def test_the_weights_are_in_the_train_key_and_the_list_form_adds_nothing(project
     assert len({k_list, k_2_1, k_1_2}) == 3
 
 
-def test_training_reports_what_each_dataset_trained(tmp_path):
-    """End to end through train.fit on the tiny target: two datasets weighted 3:1; the stats
-    (the train sidecar's) and `eaglet status` give each one's samples, tokens and steps."""
+@pytest.fixture(scope="module")
+def tiny2():
+    """Two datasets of the tiny target (code: 8 samples, chat: 6), its drafter config and the
+    tensors training needs."""
     import torch
 
     from eaglet.model.drafter import DrafterConfig
-    from eaglet.reports.status import _details
     from eaglet.stages import vocab
 
-    from .hidden_fixture import HP as TINY_HP
     from .hidden_fixture import TINY, MemoryReader, bundle, sgl_ids
 
     torch.set_num_threads(1)
@@ -197,6 +196,17 @@ def test_training_reports_what_each_dataset_trained(tmp_path):
     cfg = DrafterConfig.from_target(data["config"], 64, sgl_ids(TINY["num_hidden_layers"]))
     d2t, t2d = vocab.select(vocab.count_tokens(readers, cfg.vocab_size), 64)
     tensors = {"embed": data["embed"], "lm_head": data["lm_head"], "d2t": d2t, "t2d": t2d}
+    return readers, cfg, tensors
+
+
+def test_training_reports_what_each_dataset_trained(tiny2, tmp_path):
+    """End to end through train.fit on the tiny target: two datasets weighted 1:3; the stats
+    (the train sidecar's) and `eaglet status` give each one's samples, tokens and steps."""
+    from eaglet.reports.status import _details
+
+    from .hidden_fixture import HP as TINY_HP
+
+    readers, cfg, tensors = tiny2
     mix = {"code": 1, "chat": 3}  # chat (6 samples) up-weighted beyond its size
     hp = TINY_HP | {"epochs": 2, "batch_size": 2, "ttt_length": 2, "mixture": mix}
     stats = train.fit(readers, cfg, tensors, hp, tmp_path / "out", quiet=True)
@@ -218,3 +228,188 @@ def test_training_reports_what_each_dataset_trained(tmp_path):
     c, h = seen["code"], seen["chat"]
     assert f"code (weight 1) {c['samples']} samples/{c['tokens']} tok/{c['steps']} steps" in line
     assert f"chat (weight 3) {h['samples']} samples/" in line
+
+
+PHASES = [
+    {"datasets": ["code", "chat"], "epochs": 1, "lr_scale": 1.0, "max_length": 12},
+    {"datasets": {"code": 1, "math": 2}, "epochs": 2, "lr_scale": 0.5, "max_length": 9},
+    {"datasets": {"chat": 1}, "epochs": 1, "lr_scale": 0.25, "max_length": 12},
+]
+
+
+def test_phases_run_in_order_each_its_own_mixture():
+    steps = plan(READERS, phases=PHASES)
+    ends, first = [], 0
+    for k, ph in enumerate(steps.phases):
+        n = steps.steps_per_epoch(ph) * PHASES[k]["epochs"]
+        ends.append((first, first + n))
+        first += n
+    assert steps.total == first
+    names = ["code", "chat", "math"]
+    for k, (a, b) in enumerate(ends):
+        allowed = {names.index(n) for n in PHASES[k]["datasets"]}
+        per_epoch = steps.steps_per_epoch(steps.phases[k])
+        for step in range(a, b):
+            assert {ref[0] for ref in steps.batch(step)} <= allowed
+            assert steps.lr_scale(step) == PHASES[k]["lr_scale"]
+            assert steps.phase(step).max_length == PHASES[k]["max_length"]
+            assert steps.epoch_end(step) == ((step - a) % per_epoch == per_epoch - 1)
+    # phase 1 (weighted) follows its weights exactly, epoch by epoch; math at max_length 9
+    # skips nothing here (truncate), and epochs are numbered on across phases
+    a, b = ends[1]
+    per_epoch = steps.steps_per_epoch(steps.phases[1])
+    for e in range(2):
+        batches = [steps.batch(s) for s in range(a + e * per_epoch, a + (e + 1) * per_epoch)]
+        got = Counter(ref[0] for batch in batches for ref in batch)
+        assert [got[0], got[2]] == hamilton([1, 2], per_epoch * steps.per_step)
+        assert steps.locate(a + e * per_epoch) == (1, 1 + e, 0)
+    # the sidecar's counts: per phase, and tokens cut at each phase's max_length
+    parts = steps.seen_phases(READERS, HP | {"max_length": 12})
+    assert [p["steps"] for p in parts] == [b - a for a, b in ends]
+    assert all(
+        p["datasets"][n]["tokens"] <= p["datasets"][n]["samples"] * PHASES[k]["max_length"]
+        for k, p in enumerate(parts)
+        for n in names
+    )
+    assert parts[1]["datasets"]["chat"] == {"weight": 0, "samples": 0, "tokens": 0, "steps": 0}
+    total = steps.seen(READERS, HP | {"max_length": 12})
+    assert total["code"]["samples"] == sum(p["datasets"]["code"]["samples"] for p in parts)
+
+
+def test_phases_resume_at_any_step_and_split_across_processes():
+    full = plan(READERS, phases=PHASES)
+    batches = [full.batch(s) for s in range(full.total)]
+    boundary = full.steps_per_epoch(full.phases[0])  # phase 0 has one epoch
+    for start in (0, 1, boundary - 1, boundary, boundary + 1, full.total - 1):
+        again = plan(READERS, phases=PHASES)  # a fresh process: nothing cached
+        assert [again.batch(s) for s in range(start, again.total)] == batches[start:]
+        assert list(again.reads(start)) == list(full.reads(start))
+    world = 2
+    ranks = [
+        plan(READERS, phases=PHASES, grad_accum=1, batch_size=2, rank=r, world=world)
+        for r in range(world)
+    ]
+    one = plan(READERS, phases=PHASES, grad_accum=1, batch_size=4)
+    assert one.total == ranks[0].total
+    for step in range(one.total):
+        assert [ref for r in ranks for ref in r.mine(step)] == one.batch(step)
+
+
+def test_a_phase_naming_a_dataset_the_drafter_does_not_read_is_one_line(project):
+    from eaglet.params import load
+
+    cases = {
+        "drafters.d.train.phases.1.datasets.code: the drafter does not read dataset 'code'": [
+            {"epochs": 1},
+            {"datasets": ["sg", "code"], "epochs": 1},
+        ],
+        "drafters.d.train.phases.0.datasets: every weight is 0": [
+            {"datasets": {"sg": 0}, "epochs": 1}
+        ],
+        "drafters.d.train.phases.0.datasets.dolly: -2 is less than the minimum of 0": [
+            {"datasets": {"sg": 1, "dolly": -2}, "epochs": 1}
+        ],
+        "drafters.d.train.phases.0: 'epochs' is a required property": [{"datasets": ["sg"]}],
+    }
+    for message, phases in cases.items():
+        data = tiny_params()
+        data["drafters"]["d"]["train"]["phases"] = phases
+        with pytest.raises(EagletError) as e:
+            load(write_params(project, data))
+        assert message in str(e.value) and "\n" not in str(e.value)
+    with pytest.raises(EagletError, match=r"^train.phases.0.datasets.nope: the drafter does not"):
+        plan(READERS, phases=[{"datasets": ["nope"], "epochs": 1, "lr_scale": 1, "max_length": 9}])
+
+
+def test_phases_are_keyed_whole_and_resolved(project):
+    from eaglet.graph.keys import Keys
+    from eaglet.params import load
+
+    def spec_and_key(phases, datasets=("sg", "dolly")):
+        data = tiny_params()
+        data["drafters"]["d"]["datasets"] = (
+            datasets if isinstance(datasets, dict) else list(datasets)
+        )
+        if phases is not None:
+            data["drafters"]["d"]["train"]["phases"] = phases
+        keys = Keys(load(write_params(project, data)))
+        return keys.spec("train", "d").values.train, keys.key("train", "d")
+
+    plain, k0 = spec_and_key(None)
+    assert "phases" not in plain and "epochs" in plain
+    two = [{"epochs": 1}, {"datasets": {"dolly": 1}, "epochs": 2, "lr_scale": 0.5}]
+    spec, k1 = spec_and_key(two)
+    assert "epochs" not in spec  # the phases' epochs count
+    assert spec["phases"] == [
+        {
+            "datasets": ["sg", "dolly"],
+            "epochs": 1,
+            "lr_scale": 1.0,
+            "max_length": spec["max_length"],
+        },
+        {"datasets": {"dolly": 1}, "epochs": 2, "lr_scale": 0.5, "max_length": spec["max_length"]},
+    ]
+    _, k2 = spec_and_key(two[::-1])
+    _, k3 = spec_and_key([two[0], two[1] | {"lr_scale": 0.25}])
+    assert len({k0, k1, k2, k3}) == 4
+
+
+def test_training_in_phases_resumes_at_the_boundary(tiny2, tmp_path, monkeypatch):
+    """End to end: code alone (max_length 10), then code and chat 1:3 at half the lr; a run
+    stopped at the phase boundary resumes to the uninterrupted run's weights and metrics."""
+    import csv
+
+    import torch
+    from safetensors.torch import load_file
+
+    from .hidden_fixture import HP as TINY_HP
+
+    readers, cfg, tensors = tiny2
+    phases = [
+        {"datasets": ["code"], "epochs": 1, "lr_scale": 1.0, "max_length": 10},
+        {"datasets": {"code": 1, "chat": 3}, "epochs": 1, "lr_scale": 0.5, "max_length": 14},
+    ]
+    hp = TINY_HP | {"batch_size": 2, "ttt_length": 2, "phases": phases}
+    del hp["epochs"]
+    steps = train.plan_steps(readers, hp, run())[0]
+    boundary = steps.steps_per_epoch(steps.phases[0])
+    real_step, lengths, calls = train.train_step, {}, {"n": 0}
+
+    def stop_at_the_boundary(t, readers, refs, hp, run, step=0):
+        calls["n"] += 1
+        lengths[step] = hp["max_length"]
+        if step == boundary and calls["n"] == step + 1:  # once, in the interrupted run
+            raise KeyboardInterrupt
+        return real_step(t, readers, refs, hp, run, step)
+
+    full = train.fit(readers, cfg, tensors, hp, tmp_path / "full", quiet=True)
+    assert full["steps"] == steps.total and full["resumed_from"] == 0
+    monkeypatch.setattr(train, "train_step", stop_at_the_boundary)
+    with pytest.raises(KeyboardInterrupt):
+        train.fit(readers, cfg, tensors, hp, tmp_path / "cut", boundary, quiet=True)
+    again = train.fit(readers, cfg, tensors, hp, tmp_path / "cut", boundary, quiet=True)
+    assert again["resumed_from"] == boundary
+    assert [lengths[s] for s in range(steps.total)] == [10] * boundary + [14] * (
+        steps.total - boundary
+    )
+    a, b = (
+        load_file(str(tmp_path / "full" / "model.safetensors")),
+        load_file(str(tmp_path / "cut" / "model.safetensors")),
+    )
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    rows = [
+        list(csv.DictReader((tmp_path / d / "metrics.csv").read_text().splitlines()))
+        for d in ("full", "cut")
+    ]
+    assert rows[0] == rows[1]
+    warmup = max(1, -(-hp["warmup_ratio"] * steps.total // 1))
+    for r in rows[0]:  # the one schedule, times each phase's lr_scale
+        s = int(r["step"]) - 1
+        scale = 1.0 if s < boundary else 0.5
+        want = hp["lr"] * train.lr_factor(s, int(warmup), steps.total, hp["min_lr_ratio"]) * scale
+        assert float(r["lr"]) == pytest.approx(want, rel=1e-6)
+    assert [p["steps"] for p in full["phases"]] == [boundary, steps.total - boundary]
+    code0 = full["phases"][0]["datasets"]["code"]
+    assert code0["tokens"] == 10 * code0["samples"]  # 14-token samples cut at 10
+    assert full["phases"][0]["datasets"]["chat"]["samples"] == 0
+    assert full["datasets"]["chat"]["samples"] == full["phases"][1]["datasets"]["chat"]["samples"]

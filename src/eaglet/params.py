@@ -268,6 +268,15 @@ def _check_references(data: dict, path: Path) -> None:
                 at = ds if weighted else i
                 raise EagletError(f"{path}: drafters.{name}.datasets.{at}: unknown dataset '{ds}'")
         mixture.check(drafter["datasets"], f"{path}: drafters.{name}.datasets")
+        for k, phase in enumerate(drafter["train"].get("phases", [])):
+            where = f"{path}: drafters.{name}.train.phases.{k}.datasets"
+            for ds in phase.get("datasets", []):
+                if ds not in drafter["datasets"]:
+                    raise EagletError(
+                        f"{where}.{ds}: the drafter does not read dataset '{ds}' "
+                        f"(drafters.{name}.datasets: {', '.join(drafter['datasets'])})"
+                    )
+            mixture.check(phase.get("datasets", []), where)
         ev = drafter["evaluate"]
         if "engine_url" in ev and (ev["engine"] != "vllm" or len(ev["num_steps"]) != 1):
             raise EagletError(

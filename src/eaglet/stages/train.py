@@ -65,6 +65,8 @@ CODE = Code(
         "eaglet.stages.train:heldout",
         "eaglet.stages.train:Steps",
         "eaglet.stages.train:plan_steps",
+        "eaglet.stages.train:plan_phases",
+        "eaglet.stages.train:Phase",
         "eaglet.stages.train:dataset_names",
         "eaglet.stages.mixture",
         "eaglet.stages.train:make_trainer",
@@ -320,41 +322,84 @@ def select(t: Trainer, readers, held: list, hp: dict, run: Run, step: int, epoch
         t.best = {"step": step + 1, "epoch": epoch, "value": value, "state": state}
 
 
+@dataclass(frozen=True)
+class Phase:
+    """A stretch of a run (train.phases): its training samples, their mixture (`weights`, one
+    per reader; None: each sample once an epoch), its epochs, length cap and lr scale."""
+
+    train: list
+    weights: list | None
+    epochs: int
+    max_length: int
+    lr_scale: float = 1.0
+
+
 @dataclass(eq=False)
 class Steps:
     """Which samples each optimizer step trains on: a function of the seed, the epoch and the
     process count only, so a resumed run sees the same order. `weights` (one per reader, from a
     weighted `datasets`) make each epoch a mixture (eaglet.stages.mixture); without them an
-    epoch is every training sample once."""
+    epoch is every training sample once. With `phases` (train.phases) the run is its phases in
+    order, epochs numbered on across them; without, one phase of `train` and `weights`."""
 
-    train: list
+    train: list  # every sample some phase trains on, in reader order
     held: list
     per_step: int  # samples in one global batch (batch_size x grad_accum x processes)
     total: int
     seed: int
     run: Run
     weights: list | None = None
-    _order: dict[int, list] = field(default_factory=dict)  # the current epoch's
+    phases: list[Phase] | None = None
+    _order: dict[tuple[int, int], list] = field(default_factory=dict)  # the current epoch's
+
+    @property
+    def stretches(self) -> list[Phase]:
+        if self.phases is not None:
+            return self.phases
+        return [Phase(self.train, self.weights, 0, 0)]  # epochs: as many as total allows
+
+    def steps_per_epoch(self, phase: Phase) -> int:
+        return len(phase.train) // self.per_step
 
     @property
     def per_epoch(self) -> int:
-        return len(self.train) // self.per_step
+        """Optimizer steps in an epoch (of the first phase)."""
+        return self.steps_per_epoch(self.stretches[0])
 
-    def order(self, epoch: int) -> list:
-        if epoch not in self._order:
-            if self.weights is None:
-                order = list(self.train)
-                random.Random(self.seed * 100_003 + epoch).shuffle(order)
+    def locate(self, step: int) -> tuple[int, int, int]:
+        """(phase, epoch counted over the whole run, batch within the epoch) of `step`."""
+        epochs, stretches = 0, self.stretches
+        for p, phase in enumerate(stretches):
+            n = self.steps_per_epoch(phase)
+            if p == len(stretches) - 1 or step < n * phase.epochs:
+                epoch, index = divmod(step, n)
+                return p, epochs + epoch, index
+            step, epochs = step - n * phase.epochs, epochs + phase.epochs
+        raise AssertionError("unreachable")
+
+    def phase(self, step: int) -> Phase:
+        return self.stretches[self.locate(step)[0]]
+
+    def lr_scale(self, step: int) -> float:
+        return self.phase(step).lr_scale if self.phases is not None else 1.0
+
+    def order(self, epoch: int, p: int = 0) -> list:
+        """Epoch `epoch`'s order (of phase `p`, the one that epoch is in)."""
+        if (p, epoch) not in self._order:
+            phase, seed = self.stretches[p], self.seed * 100_003 + epoch
+            if phase.weights is None:
+                order = list(phase.train)
+                random.Random(seed).shuffle(order)
             else:  # exactly the samples the epoch's steps train, per dataset by weight
-                size = self.per_epoch * self.per_step
-                order = mixture.order(self.train, self.weights, size, self.seed * 100_003 + epoch)
-            self._order = {epoch: order}
-        return self._order[epoch]
+                size = self.steps_per_epoch(phase) * self.per_step
+                order = mixture.order(phase.train, phase.weights, size, seed)
+            self._order = {(p, epoch): order}
+        return self._order[(p, epoch)]
 
     def batch(self, step: int) -> list:
         """The step's global batch."""
-        epoch, index = divmod(step, self.per_epoch)
-        return self.order(epoch)[index * self.per_step : (index + 1) * self.per_step]
+        p, epoch, index = self.locate(step)
+        return self.order(epoch, p)[index * self.per_step : (index + 1) * self.per_step]
 
     def mine(self, step: int) -> list:
         """This process's share of the step's global batch."""
@@ -363,7 +408,8 @@ class Steps:
         return refs[rank * len(refs) // world : (rank + 1) * len(refs) // world]
 
     def epoch_end(self, step: int) -> bool:
-        return (step + 1) % self.per_epoch == 0
+        p, _, index = self.locate(step)
+        return index == self.steps_per_epoch(self.stretches[p]) - 1
 
     def reads(self, start: int):
         """The samples this process reads, in order (an online reader fetches them ahead)."""
@@ -374,19 +420,38 @@ class Steps:
         if self.run.rank == 0:
             yield from self.held
 
-    def seen(self, readers: list, hp: dict, upto: int | None = None) -> dict[str, dict]:
-        """Per dataset the samples, tokens (cut at max_length) and steps the first `upto`
-        steps (all of them by default) trained, with its weight when the mixture has one."""
+    def seen_phases(self, readers: list, hp: dict, upto: int | None = None) -> list[dict]:
+        """Per phase (one without train.phases) its steps among the first `upto` (all by
+        default) and per dataset what they trained: samples (repeats counted), tokens (each
+        cut at the phase's max_length) and steps it had a sample in; its weight, if weighted."""
         names = dataset_names(readers, hp)
         tokens = {
             (i, s["id"]): s["tokens"] for i, r in enumerate(readers) for s in r.manifest["samples"]
         }
-        batches = (self.batch(s) for s in range(self.total if upto is None else upto))
-        out = mixture.tally(batches, names, tokens, hp["max_length"])
-        if self.weights is not None:
-            for name, w in zip(names, self.weights, strict=True):
-                out[name] = {"weight": w} | out[name]
-        return out
+        by_phase: list[list] = [[] for _ in self.stretches]
+        for step in range(self.total if upto is None else upto):
+            by_phase[self.locate(step)[0]].append(self.batch(step))
+        parts = []
+        for phase, batches in zip(self.stretches, by_phase, strict=True):
+            cap = phase.max_length if self.phases is not None else hp["max_length"]
+            part = mixture.tally(batches, names, tokens, cap)
+            if phase.weights is not None:
+                part = {
+                    n: {"weight": w} | part[n] for n, w in zip(names, phase.weights, strict=True)
+                }
+            parts.append({"steps": len(batches), "datasets": part})
+        return parts
+
+    def seen(self, readers: list, hp: dict, upto: int | None = None) -> dict[str, dict]:
+        """Per dataset what the first `upto` steps (all by default) trained, over all phases
+        (seen_phases)."""
+        parts = self.seen_phases(readers, hp, upto)
+        if len(parts) == 1:
+            return parts[0]["datasets"]
+        return {
+            n: {k: sum(p["datasets"][n][k] for p in parts) for k in ("samples", "tokens", "steps")}
+            for n in parts[0]["datasets"]
+        }
 
 
 def dataset_names(readers: list, hp: dict) -> list[str]:
@@ -398,8 +463,8 @@ def dataset_names(readers: list, hp: dict) -> list[str]:
 
 def plan_steps(readers: list, hp: dict, run: Run) -> tuple[Steps, dict]:
     """The run's steps over the train/held-out split, and what overlong samples cost."""
-    train_refs, held_refs = drafter_data.split(readers, hp["heldout_fraction"])
-    train_refs, long_train = overlong(readers, train_refs, hp)
+    split_train, held_refs = drafter_data.split(readers, hp["heldout_fraction"])
+    train_refs, long_train = overlong(readers, split_train, hp)
     held_refs, long_held = overlong(readers, held_refs, hp)
     if long_train["samples"] + long_held["samples"] and run.rank == 0:
         print(
@@ -409,6 +474,16 @@ def plan_steps(readers: list, hp: dict, run: Run) -> tuple[Steps, dict]:
             file=sys.stderr,
         )
     per_step = hp["batch_size"] * hp["grad_accum"] * run.world
+    long = {"train": long_train, "heldout": long_held}
+    if "phases" in hp:
+        phases, long["phases"] = plan_phases(readers, split_train, hp, per_step)
+        total = sum(len(ph.train) // per_step * ph.epochs for ph in phases)
+        if hp.get("max_steps"):
+            total = min(total, hp["max_steps"])
+        used = {r for ph in phases for r in ph.train}
+        train_refs = [r for r in split_train if r in used]
+        steps = Steps(train_refs, held_refs, per_step, total, hp["seed"], run, None, phases)
+        return steps, long
     if len(train_refs) < per_step:
         raise EagletError(
             f"{len(train_refs)} training samples, fewer than one global batch ({per_step})"
@@ -427,7 +502,38 @@ def plan_steps(readers: list, hp: dict, run: Run) -> tuple[Steps, dict]:
     if hp.get("max_steps"):
         total = min(total, hp["max_steps"])
     steps = Steps(train_refs, held_refs, per_step, total, hp["seed"], run, weights)
-    return steps, {"train": long_train, "heldout": long_held}
+    return steps, long
+
+
+def plan_phases(readers: list, split_train: list, hp: dict, per_step: int) -> tuple[list, list]:
+    """train.phases as Phases over the training split: each its datasets' samples (cut or
+    skipped at its max_length), and what its overlong samples cost."""
+    names = dataset_names(readers, hp)
+    phases, long = [], []
+    for k, ph in enumerate(hp["phases"]):
+        where, wanted = f"train.phases.{k}.datasets", ph["datasets"]
+        for name in wanted:
+            if name not in names:
+                raise EagletError(
+                    f"{where}.{name}: the drafter does not read dataset '{name}' "
+                    f"(it reads {', '.join(names)})"
+                )
+        read = {names.index(n) for n in wanted}
+        refs, cut = overlong(readers, [r for r in split_train if r[0] in read], hp | ph)
+        long.append(cut)
+        weights = [wanted.get(n, 0) for n in names] if isinstance(wanted, dict) else None
+        if weights is not None and (name := mixture.empty(names, weights, refs)) is not None:
+            raise EagletError(
+                f"{where}.{name}: weight {wanted[name]} but no training sample (all held out or "
+                "skipped as overlong): give it weight 0 or more samples"
+            )
+        if len(refs) < per_step:
+            raise EagletError(
+                f"train.phases.{k}: {len(refs)} training samples, fewer than one global batch "
+                f"({per_step})"
+            )
+        phases.append(Phase(refs, weights, ph["epochs"], ph["max_length"], ph["lr_scale"]))
+    return phases, long
 
 
 @dataclass
@@ -456,9 +562,11 @@ def make_trainer(
     total: int,
     run: Run,
     init: Drafter | None = None,
+    lr_scale=None,
 ) -> Trainer:
     """A seeded drafter with the target's embeddings and the draft vocab maps, started from
-    `init`'s weights when given (warm start), AdamW, linear warmup then cosine decay."""
+    `init`'s weights when given (warm start), AdamW, linear warmup then cosine decay (times
+    `lr_scale(step)`, train.phases' lr_scale, when given)."""
     torch.manual_seed(hp["seed"])
     model = Drafter(cfg)
     model.embed_tokens.weight.copy_(tensors["embed"])
@@ -472,8 +580,9 @@ def make_trainer(
         trainable, lr=hp["lr"], betas=(0.9, 0.95), weight_decay=hp["weight_decay"]
     )
     warmup = max(1, math.ceil(hp["warmup_ratio"] * total))
+    scale = lr_scale or (lambda s: 1.0)
     sched = torch.optim.lr_scheduler.LambdaLR(
-        opt, lambda s: lr_factor(s, warmup, total, hp["min_lr_ratio"])
+        opt, lambda s: lr_factor(s, warmup, total, hp["min_lr_ratio"]) * scale(s)
     )
     # gradients as views into the all-reduce buckets: no second copy of them
     ddp = DDP(model, gradient_as_bucket_view=True) if run.world > 1 else model
@@ -512,7 +621,7 @@ def save_checkpoint(
         "hp": hp,
         "world": steps.run.world,
         "step": step,
-        "data_position": {"epoch": step // steps.per_epoch, "batch": step % steps.per_epoch},
+        "data_position": dict(zip(("phase", "epoch", "batch"), steps.locate(step), strict=True)),
         "model": t.model.state_dict(),
         "optimizer": t.opt.state_dict(),
         "scheduler": t.sched.state_dict(),
@@ -635,7 +744,7 @@ def fit(
     from `out`'s work folder."""
     run = Run(hp["dtype"], device)
     steps, long = plan_steps(readers, hp, run)
-    t = make_trainer(cfg, tensors, hp, steps.total, run, init)
+    t = make_trainer(cfg, tensors, hp, steps.total, run, init, steps.lr_scale)
     work = out.parent / f".{out.name}.work"
     ckpt = work / "checkpoint.pt"
     start = resume(ckpt, t, hp, run)
@@ -649,8 +758,12 @@ def fit(
     progress.done = progress.base = start
     t0 = time.monotonic()
     for step in range(start, steps.total):
-        epoch = step // steps.per_epoch
-        row, tokens = train_step(t, readers, steps.mine(step), hp, run, step)
+        epoch = steps.locate(step)[1]
+        at = hp if steps.phases is None else hp | {"max_length": steps.phase(step).max_length}
+        longer = step > start and at["max_length"] > steps.phase(step - 1).max_length
+        if steps.phases is not None and longer:  # a phase of longer samples: the head's kept
+            t.head.known.clear()  # rows of samples cut shorter are stale, computed again
+        row, tokens = train_step(t, readers, steps.mine(step), at, run, step)
         t.rows.append({"step": step + 1, "epoch": epoch} | row)
         progress.note(loss=row.get("loss"), epoch=epoch)
         progress.update(1, tokens=tokens)
@@ -689,6 +802,7 @@ def fit(
         "dtype": run.dtype,
         "train_samples": len(steps.train),
         "datasets": steps.seen(readers, hp),  # per dataset: samples, tokens, steps trained
+        **({"phases": steps.seen_phases(readers, hp)} if steps.phases is not None else {}),
         "heldout_samples": len(steps.held),
         "overlong": long,
         "final_loss": last["loss"] if last else None,
@@ -809,7 +923,8 @@ def run(spec: Spec[TrainSpec], setup: Setup, out: Path) -> Path:
         warm_start.check(cfg, init, f"{where}: {setup.init_from}")
     if pick_device(setup.device).startswith("cuda"):  # on CPU: host memory, no check
         memory = torch.cuda.get_device_properties(0).total_memory
-        check_fits(readers, setup.datasets, cfg, hp, memory)
+        longest = max([hp["max_length"]] + [ph["max_length"] for ph in hp.get("phases", [])])
+        check_fits(readers, setup.datasets, cfg, hp | {"max_length": longest}, memory)
     from eaglet.stages import supervised
 
     try:  # an online reader's engine starts on its first sample and stops here

@@ -35,6 +35,17 @@ def spec_of(keys: Keys, drafter: str) -> tuple[TrainSpec, dict]:
     train["max_length"] = train.get("max_length") or max(map(p.max_length, d["datasets"]))
     if isinstance(d["datasets"], dict):  # weighted: each epoch a mixture (the list form: none)
         train["mixture"] = dict(d["datasets"])
+    if "phases" in train:  # every field resolved; the phases' epochs are the run's
+        del train["epochs"]
+        train["phases"] = [
+            {
+                "datasets": phase.get("datasets", d["datasets"]),
+                "epochs": phase["epochs"],
+                "lr_scale": phase.get("lr_scale", 1.0),
+                "max_length": phase.get("max_length", train["max_length"]),
+            }
+            for phase in train["phases"]
+        ]
     train["device"] = device_type(d["train"]["device"])
     train["dtype"] = resolve_dtype(d["train"]["dtype"], d["train"]["device"])
     if train.get("select", {}).get("by") == "last":  # the same weights as no select at all
