@@ -89,7 +89,7 @@ def test_each_epoch_follows_the_weights_exactly(weights):
             times = sorted((per[r] for r in pool), reverse=True)
             assert times == [full + 1] * rest + [full] * (len(pool) - rest)
     # what the steps trained, counted from the batches themselves
-    seen = steps.seen(READERS, HP | {"mixture": mix})
+    seen = steps.seen(steps.count(READERS, HP | {"mixture": mix}, range(steps.total)))
     assert [seen[n]["samples"] for n in mix] == [w * 3 for w in want]  # 3 epochs
     assert [seen[n]["weight"] for n in mix] == weights
 
@@ -264,7 +264,7 @@ def test_phases_run_in_order_each_its_own_mixture():
         assert [got[0], got[2]] == hamilton([1, 2], per_epoch * steps.per_step)
         assert steps.locate(a + e * per_epoch) == (1, 1 + e, 0)
     # the sidecar's counts: per phase, and tokens cut at each phase's max_length
-    parts = steps.seen_phases(READERS, HP | {"max_length": 12})
+    parts = steps.count(READERS, HP, range(steps.total))
     assert [p["steps"] for p in parts] == [b - a for a, b in ends]
     assert all(
         p["datasets"][n]["tokens"] <= p["datasets"][n]["samples"] * PHASES[k]["max_length"]
@@ -272,7 +272,7 @@ def test_phases_run_in_order_each_its_own_mixture():
         for n in names
     )
     assert parts[1]["datasets"]["chat"] == {"weight": 0, "samples": 0, "tokens": 0, "steps": 0}
-    total = steps.seen(READERS, HP | {"max_length": 12})
+    total = steps.seen(parts)
     assert total["code"]["samples"] == sum(p["datasets"]["code"]["samples"] for p in parts)
 
 
@@ -387,8 +387,14 @@ def test_training_in_phases_resumes_at_the_boundary(tiny2, tmp_path, monkeypatch
     monkeypatch.setattr(train, "train_step", stop_at_the_boundary)
     with pytest.raises(KeyboardInterrupt):
         train.fit(readers, cfg, tensors, hp, tmp_path / "cut", boundary, quiet=True)
+    from eaglet.reports.status import _partial
+
+    at = _partial(tmp_path / "cut", "train")  # what `eaglet status` shows of the stopped run
+    assert at["step"] == boundary and at["datasets"]["chat"]["samples"] == 0
+    assert at["datasets"]["code"]["samples"] == boundary * steps.per_step
     again = train.fit(readers, cfg, tensors, hp, tmp_path / "cut", boundary, quiet=True)
     assert again["resumed_from"] == boundary
+    assert again["datasets"] == full["datasets"] and again["phases"] == full["phases"]
     assert [lengths[s] for s in range(steps.total)] == [10] * boundary + [14] * (
         steps.total - boundary
     )

@@ -98,10 +98,14 @@ def empty(names: list[str], weights: list, train: list[Ref]) -> str | None:
     return None
 
 
-def tally(batches, names: list[str], tokens: dict[Ref, int], cap: int) -> dict[str, dict]:
+def tally(
+    batches, names: list[str], tokens: dict[Ref, int], cap: int, out: dict | None = None
+) -> dict[str, dict]:
     """Per dataset what the global `batches` (lists of references) trained: samples (repeats
-    counted), tokens (each cut at `cap`) and optimizer steps it had a sample in."""
-    out = {n: {"samples": 0, "tokens": 0, "steps": 0} for n in names}
+    counted), tokens (each cut at `cap`) and optimizer steps it had a sample in; added to
+    `out`'s counts when given."""
+    if out is None:
+        out = {n: {"samples": 0, "tokens": 0, "steps": 0} for n in names}
     for batch in batches:
         seen = set()
         for ref in batch:

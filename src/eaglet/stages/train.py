@@ -351,6 +351,7 @@ class Steps:
     weights: list | None = None
     phases: list[Phase] | None = None
     _order: dict[tuple[int, int], list] = field(default_factory=dict)  # the current epoch's
+    _tokens: dict | None = None  # each sample's tokens, for `count`
 
     @property
     def stretches(self) -> list[Phase]:
@@ -420,32 +421,37 @@ class Steps:
         if self.run.rank == 0:
             yield from self.held
 
-    def seen_phases(self, readers: list, hp: dict, upto: int | None = None) -> list[dict]:
-        """Per phase (one without train.phases) its steps among the first `upto` (all by
-        default) and per dataset what they trained: samples (repeats counted), tokens (each
-        cut at the phase's max_length) and steps it had a sample in; its weight, if weighted."""
+    def count(self, readers: list, hp: dict, steps, parts: list | None = None) -> list[dict]:
+        """Add what `steps` (step numbers) trained to `parts` (new when None): per phase (one
+        without train.phases) its steps, and per dataset its samples (repeats counted), tokens
+        (each cut at the phase's max_length) and the steps it had a sample in; its weight, if
+        weighted."""
         names = dataset_names(readers, hp)
-        tokens = {
-            (i, s["id"]): s["tokens"] for i, r in enumerate(readers) for s in r.manifest["samples"]
-        }
-        by_phase: list[list] = [[] for _ in self.stretches]
-        for step in range(self.total if upto is None else upto):
-            by_phase[self.locate(step)[0]].append(self.batch(step))
-        parts = []
-        for phase, batches in zip(self.stretches, by_phase, strict=True):
-            cap = phase.max_length if self.phases is not None else hp["max_length"]
-            part = mixture.tally(batches, names, tokens, cap)
-            if phase.weights is not None:
-                part = {
-                    n: {"weight": w} | part[n] for n, w in zip(names, phase.weights, strict=True)
+        if parts is None:
+            parts = []
+            for phase in self.stretches:
+                ws = phase.weights or [None] * len(names)
+                zero = {"samples": 0, "tokens": 0, "steps": 0}
+                rows = {
+                    n: ({"weight": w} if w is not None else {}) | zero
+                    for n, w in zip(names, ws, strict=True)
                 }
-            parts.append({"steps": len(batches), "datasets": part})
+                parts.append({"steps": 0, "datasets": rows})
+        if self._tokens is None:
+            self._tokens = {
+                (i, s["id"]): s["tokens"]
+                for i, r in enumerate(readers)
+                for s in r.manifest["samples"]
+            }
+        for step in steps:
+            p = self.locate(step)[0]
+            cap = self.stretches[p].max_length if self.phases is not None else hp["max_length"]
+            parts[p]["steps"] += 1
+            mixture.tally([self.batch(step)], names, self._tokens, cap, parts[p]["datasets"])
         return parts
 
-    def seen(self, readers: list, hp: dict, upto: int | None = None) -> dict[str, dict]:
-        """Per dataset what the first `upto` steps (all by default) trained, over all phases
-        (seen_phases)."""
-        parts = self.seen_phases(readers, hp, upto)
+    def seen(self, parts: list[dict]) -> dict[str, dict]:
+        """Per dataset what the counted `parts` trained, over all phases."""
         if len(parts) == 1:
             return parts[0]["datasets"]
         return {
@@ -756,6 +762,7 @@ def fit(
         beacon = work / BEACON
     progress = Progress("train", steps.total, quiet or run.rank != 0, "step", beacon)
     progress.done = progress.base = start
+    counted = steps.count(readers, hp, range(start))  # what each dataset trained, so far
     t0 = time.monotonic()
     for step in range(start, steps.total):
         epoch = steps.locate(step)[1]
@@ -764,6 +771,7 @@ def fit(
         if steps.phases is not None and longer:  # a phase of longer samples: the head's kept
             t.head.known.clear()  # rows of samples cut shorter are stale, computed again
         row, tokens = train_step(t, readers, steps.mine(step), at, run, step)
+        steps.count(readers, hp, [step], counted)
         t.rows.append({"step": step + 1, "epoch": epoch} | row)
         progress.note(loss=row.get("loss"), epoch=epoch)
         progress.update(1, tokens=tokens)
@@ -777,8 +785,7 @@ def fit(
             if "select" in hp:
                 select(t, readers, steps.held, hp, run, step, epoch)
         if (step + 1) % checkpoint_every == 0 and step + 1 < steps.total:
-            seen = steps.seen(readers, hp, step + 1) if run.rank == 0 else None
-            save_checkpoint(ckpt, t, step + 1, steps, hp, seen)
+            save_checkpoint(ckpt, t, step + 1, steps, hp, steps.seen(counted))
     progress.close()
     elapsed = time.monotonic() - t0
     chosen = None
@@ -801,8 +808,8 @@ def fit(
         "processes": run.world,
         "dtype": run.dtype,
         "train_samples": len(steps.train),
-        "datasets": steps.seen(readers, hp),  # per dataset: samples, tokens, steps trained
-        **({"phases": steps.seen_phases(readers, hp)} if steps.phases is not None else {}),
+        "datasets": steps.seen(counted),  # per dataset: samples, tokens, steps trained
+        **({"phases": counted} if steps.phases is not None else {}),
         "heldout_samples": len(steps.held),
         "overlong": long,
         "final_loss": last["loss"] if last else None,
