@@ -17,6 +17,7 @@ import yaml
 
 from eaglet.device import device_type, resolve_dtype
 from eaglet.errors import EagletError
+from eaglet.stages import mixture
 
 SCHEMA_PATH = Path(__file__).with_name("params.schema.yaml")
 GENERATION_KEYS = (
@@ -261,9 +262,21 @@ def _check_references(data: dict, path: Path) -> None:
                 f"{path}: {scope}.backend: unknown backend '{cfg['backend']}' (known: {known})"
             )
     for name, drafter in data["drafters"].items():
+        weighted = isinstance(drafter["datasets"], dict)
         for i, ds in enumerate(drafter["datasets"]):
             if ds not in data["datasets"]:
-                raise EagletError(f"{path}: drafters.{name}.datasets.{i}: unknown dataset '{ds}'")
+                at = ds if weighted else i
+                raise EagletError(f"{path}: drafters.{name}.datasets.{at}: unknown dataset '{ds}'")
+        mixture.check(drafter["datasets"], f"{path}: drafters.{name}.datasets")
+        for k, phase in enumerate(drafter["train"].get("phases", [])):
+            where = f"{path}: drafters.{name}.train.phases.{k}.datasets"
+            for ds in phase.get("datasets", []):
+                if ds not in drafter["datasets"]:
+                    raise EagletError(
+                        f"{where}.{ds}: the drafter does not read dataset '{ds}' "
+                        f"(drafters.{name}.datasets: {', '.join(drafter['datasets'])})"
+                    )
+            mixture.check(phase.get("datasets", []), where)
         ev = drafter["evaluate"]
         if "engine_url" in ev and (ev["engine"] != "vllm" or len(ev["num_steps"]) != 1):
             raise EagletError(

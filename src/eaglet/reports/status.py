@@ -285,6 +285,7 @@ def _details(row: dict) -> str:
         done = f"{p['shards']} shards built" if "shards" in p else ""
         if "step" in p:
             done = f"checkpoint at step {p['step']}" + (f"/{p['total']}" if "total" in p else "")
+            done += f" ({_seen(p['datasets'])})" if p.get("datasets") else ""
         if b := p.get("progress"):
             done = (
                 f"{b['done']}/{b['total']} {b['unit']}, {b['tok_s']:,.0f} tok/s, ETA "
@@ -361,6 +362,8 @@ def _details(row: dict) -> str:
                 f", warm start ({w['format']} format, {w['rows_copied']}/{w['draft_vocab']} "
                 "lm_head rows)"
             )
+        if seen := st.get("datasets"):
+            text += f", trained on {_seen(seen)}"
         if sel := st.get("selected"):
             text += (
                 f", kept epoch {sel['epoch'] + 1} of {len(sel['curve'])} (offline acceptance "
@@ -370,6 +373,18 @@ def _details(row: dict) -> str:
     if row["stage"] == "evaluate" and st:
         return _acceptance(st)
     return ""
+
+
+def _seen(datasets: dict) -> str:
+    """What each dataset trained: samples, tokens and the steps it had a sample in (and its
+    weight, where the drafter's datasets are weighted)."""
+    parts = []
+    for name, s in datasets.items():
+        weight = f" (weight {s['weight']:g})" if "weight" in s else ""
+        parts.append(
+            f"{name}{weight} {s['samples']:,} samples/{s['tokens']:,} tok/{s['steps']:,} steps"
+        )
+    return ", ".join(parts)
 
 
 def _values(runs: dict) -> str:

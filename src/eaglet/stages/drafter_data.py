@@ -37,7 +37,7 @@ class States:
 
 def states(params: Params, drafter: str) -> States:
     """The hidden states of the drafter's datasets, as params name them."""
-    keys, names = Keys(params), params.drafter(drafter)["datasets"]
+    keys, names = Keys(params), list(params.drafter(drafter)["datasets"])  # weighted: its keys
     paths = {ds: keys.path("hidden", ds) for ds in names}
     online = keys.spec("hidden", names[0]).values.mode != "offline"
     return States(drafter, paths, resolve_stage("hidden", params, names[0])[1] if online else None)

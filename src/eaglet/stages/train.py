@@ -47,7 +47,7 @@ from eaglet.model.drafter import Drafter, DrafterConfig, Score, recomputed
 from eaglet.model.target import TargetSpec, load_head, pick_device
 from eaglet.model.target_head import TargetHead, shift
 from eaglet.progress import BEACON, Progress
-from eaglet.stages import drafter_data, vocab, warm_start
+from eaglet.stages import drafter_data, mixture, vocab, warm_start
 from eaglet.stages.train_spec import TrainSpec, warm_digest
 
 # The code that shapes this stage's bytes (eaglet.graph.code): bump the version when they change.
@@ -65,6 +65,10 @@ CODE = Code(
         "eaglet.stages.train:heldout",
         "eaglet.stages.train:Steps",
         "eaglet.stages.train:plan_steps",
+        "eaglet.stages.train:plan_phases",
+        "eaglet.stages.train:Phase",
+        "eaglet.stages.train:dataset_names",
+        "eaglet.stages.mixture",
         "eaglet.stages.train:make_trainer",
         "eaglet.stages.train:train_step",
         "eaglet.stages.train:fit",
@@ -318,39 +322,95 @@ def select(t: Trainer, readers, held: list, hp: dict, run: Run, step: int, epoch
         t.best = {"step": step + 1, "epoch": epoch, "value": value, "state": state}
 
 
+@dataclass(frozen=True)
+class Phase:
+    """A stretch of a run (train.phases): its training samples, their mixture (`weights`, one
+    per reader; None: each sample once an epoch), its epochs, length cap and lr scale."""
+
+    train: list
+    weights: list | None
+    epochs: int
+    max_length: int
+    lr_scale: float = 1.0
+
+
 @dataclass(eq=False)
 class Steps:
     """Which samples each optimizer step trains on: a function of the seed, the epoch and the
-    process count only, so a resumed run sees the same order."""
+    process count only, so a resumed run sees the same order. `weights` (one per reader, from a
+    weighted `datasets`) make each epoch a mixture (eaglet.stages.mixture); without them an
+    epoch is every training sample once. With `phases` (train.phases) the run is its phases in
+    order, epochs numbered on across them; without, one phase of `train` and `weights`."""
 
-    train: list
+    train: list  # every sample some phase trains on, in reader order
     held: list
     per_step: int  # samples in one global batch (batch_size x grad_accum x processes)
     total: int
     seed: int
     run: Run
-    _order: dict[int, list] = field(default_factory=dict)  # the current epoch's
+    weights: list | None = None
+    phases: list[Phase] | None = None
+    _order: dict[tuple[int, int], list] = field(default_factory=dict)  # the current epoch's
+    _tokens: dict | None = None  # each sample's tokens, for `count`
+
+    @property
+    def stretches(self) -> list[Phase]:
+        if self.phases is not None:
+            return self.phases
+        return [Phase(self.train, self.weights, 0, 0)]  # epochs: as many as total allows
+
+    def steps_per_epoch(self, phase: Phase) -> int:
+        return len(phase.train) // self.per_step
 
     @property
     def per_epoch(self) -> int:
-        return len(self.train) // self.per_step
+        """Optimizer steps in an epoch (of the first phase)."""
+        return self.steps_per_epoch(self.stretches[0])
 
-    def order(self, epoch: int) -> list:
-        if epoch not in self._order:
-            order = list(self.train)
-            random.Random(self.seed * 100_003 + epoch).shuffle(order)
-            self._order = {epoch: order}
-        return self._order[epoch]
+    def locate(self, step: int) -> tuple[int, int, int]:
+        """(phase, epoch counted over the whole run, batch within the epoch) of `step`."""
+        epochs, stretches = 0, self.stretches
+        for p, phase in enumerate(stretches):
+            n = self.steps_per_epoch(phase)
+            if p == len(stretches) - 1 or step < n * phase.epochs:
+                epoch, index = divmod(step, n)
+                return p, epochs + epoch, index
+            step, epochs = step - n * phase.epochs, epochs + phase.epochs
+        raise AssertionError("unreachable")
+
+    def phase(self, step: int) -> Phase:
+        return self.stretches[self.locate(step)[0]]
+
+    def lr_scale(self, step: int) -> float:
+        return self.phase(step).lr_scale if self.phases is not None else 1.0
+
+    def order(self, epoch: int, p: int = 0) -> list:
+        """Epoch `epoch`'s order (of phase `p`, the one that epoch is in)."""
+        if (p, epoch) not in self._order:
+            phase, seed = self.stretches[p], self.seed * 100_003 + epoch
+            if phase.weights is None:
+                order = list(phase.train)
+                random.Random(seed).shuffle(order)
+            else:  # exactly the samples the epoch's steps train, per dataset by weight
+                size = self.steps_per_epoch(phase) * self.per_step
+                order = mixture.order(phase.train, phase.weights, size, seed)
+            self._order = {(p, epoch): order}
+        return self._order[(p, epoch)]
+
+    def batch(self, step: int) -> list:
+        """The step's global batch."""
+        p, epoch, index = self.locate(step)
+        return self.order(epoch, p)[index * self.per_step : (index + 1) * self.per_step]
 
     def mine(self, step: int) -> list:
         """This process's share of the step's global batch."""
-        epoch, index = divmod(step, self.per_epoch)
-        refs = self.order(epoch)[index * self.per_step : (index + 1) * self.per_step]
+        refs = self.batch(step)
         rank, world = self.run.rank, self.run.world
         return refs[rank * len(refs) // world : (rank + 1) * len(refs) // world]
 
     def epoch_end(self, step: int) -> bool:
-        return (step + 1) % self.per_epoch == 0
+        p, _, index = self.locate(step)
+        return index == self.steps_per_epoch(self.stretches[p]) - 1
 
     def reads(self, start: int):
         """The samples this process reads, in order (an online reader fetches them ahead)."""
@@ -361,11 +421,56 @@ class Steps:
         if self.run.rank == 0:
             yield from self.held
 
+    def count(self, readers: list, hp: dict, steps, parts: list | None = None) -> list[dict]:
+        """Add what `steps` (step numbers) trained to `parts` (new when None): per phase (one
+        without train.phases) its steps, and per dataset its samples (repeats counted), tokens
+        (each cut at the phase's max_length) and the steps it had a sample in; its weight, if
+        weighted."""
+        names = dataset_names(readers, hp)
+        if parts is None:
+            parts = []
+            for phase in self.stretches:
+                ws = phase.weights or [None] * len(names)
+                zero = {"samples": 0, "tokens": 0, "steps": 0}
+                rows = {
+                    n: ({"weight": w} if w is not None else {}) | zero
+                    for n, w in zip(names, ws, strict=True)
+                }
+                parts.append({"steps": 0, "datasets": rows})
+        if self._tokens is None:
+            self._tokens = {
+                (i, s["id"]): s["tokens"]
+                for i, r in enumerate(readers)
+                for s in r.manifest["samples"]
+            }
+        for step in steps:
+            p = self.locate(step)[0]
+            cap = self.stretches[p].max_length if self.phases is not None else hp["max_length"]
+            parts[p]["steps"] += 1
+            mixture.tally([self.batch(step)], names, self._tokens, cap, parts[p]["datasets"])
+        return parts
+
+    def seen(self, parts: list[dict]) -> dict[str, dict]:
+        """Per dataset what the counted `parts` trained, over all phases."""
+        if len(parts) == 1:
+            return parts[0]["datasets"]
+        return {
+            n: {k: sum(p["datasets"][n][k] for p in parts) for k in ("samples", "tokens", "steps")}
+            for n in parts[0]["datasets"]
+        }
+
+
+def dataset_names(readers: list, hp: dict) -> list[str]:
+    """The readers' dataset names: the weighted `datasets`' own, else the readers' manifests'."""
+    if "mixture" in hp:
+        return list(hp["mixture"])
+    return [r.manifest.get("dataset") or f"dataset{i}" for i, r in enumerate(readers)]
+
 
 def plan_steps(readers: list, hp: dict, run: Run) -> tuple[Steps, dict]:
     """The run's steps over the train/held-out split, and what overlong samples cost."""
-    train_refs, held_refs = drafter_data.split(readers, hp["heldout_fraction"])
-    train_refs, long_train = overlong(readers, train_refs, hp)
+    split_train, held_refs = drafter_data.split(readers, hp["heldout_fraction"])
+    train_refs, long_train = overlong(readers, split_train, hp)
     held_refs, long_held = overlong(readers, held_refs, hp)
     if long_train["samples"] + long_held["samples"] and run.rank == 0:
         print(
@@ -375,15 +480,66 @@ def plan_steps(readers: list, hp: dict, run: Run) -> tuple[Steps, dict]:
             file=sys.stderr,
         )
     per_step = hp["batch_size"] * hp["grad_accum"] * run.world
+    long = {"train": long_train, "heldout": long_held}
+    if "phases" in hp:
+        phases, long["phases"] = plan_phases(readers, split_train, hp, per_step)
+        total = sum(len(ph.train) // per_step * ph.epochs for ph in phases)
+        if hp.get("max_steps"):
+            total = min(total, hp["max_steps"])
+        used = {r for ph in phases for r in ph.train}
+        train_refs = [r for r in split_train if r in used]
+        steps = Steps(train_refs, held_refs, per_step, total, hp["seed"], run, None, phases)
+        return steps, long
     if len(train_refs) < per_step:
         raise EagletError(
             f"{len(train_refs)} training samples, fewer than one global batch ({per_step})"
         )
+    weights = None
+    if "mixture" in hp:  # datasets: {name: weight}
+        names, weights = list(hp["mixture"]), list(hp["mixture"].values())
+        if len(weights) != len(readers):
+            raise EagletError(f"train: {len(readers)} readers for the datasets {names}")
+        if (name := mixture.empty(names, weights, train_refs)) is not None:
+            raise EagletError(
+                f"datasets.{name}: weight {hp['mixture'][name]} but no training sample (all "
+                "held out or skipped as overlong): give it weight 0 or more samples"
+            )
     total = len(train_refs) // per_step * hp["epochs"]
     if hp.get("max_steps"):
         total = min(total, hp["max_steps"])
-    steps = Steps(train_refs, held_refs, per_step, total, hp["seed"], run)
-    return steps, {"train": long_train, "heldout": long_held}
+    steps = Steps(train_refs, held_refs, per_step, total, hp["seed"], run, weights)
+    return steps, long
+
+
+def plan_phases(readers: list, split_train: list, hp: dict, per_step: int) -> tuple[list, list]:
+    """train.phases as Phases over the training split: each its datasets' samples (cut or
+    skipped at its max_length), and what its overlong samples cost."""
+    names = dataset_names(readers, hp)
+    phases, long = [], []
+    for k, ph in enumerate(hp["phases"]):
+        where, wanted = f"train.phases.{k}.datasets", ph["datasets"]
+        for name in wanted:
+            if name not in names:
+                raise EagletError(
+                    f"{where}.{name}: the drafter does not read dataset '{name}' "
+                    f"(it reads {', '.join(names)})"
+                )
+        read = {names.index(n) for n in wanted}
+        refs, cut = overlong(readers, [r for r in split_train if r[0] in read], hp | ph)
+        long.append(cut)
+        weights = [wanted.get(n, 0) for n in names] if isinstance(wanted, dict) else None
+        if weights is not None and (name := mixture.empty(names, weights, refs)) is not None:
+            raise EagletError(
+                f"{where}.{name}: weight {wanted[name]} but no training sample (all held out or "
+                "skipped as overlong): give it weight 0 or more samples"
+            )
+        if len(refs) < per_step:
+            raise EagletError(
+                f"train.phases.{k}: {len(refs)} training samples, fewer than one global batch "
+                f"({per_step})"
+            )
+        phases.append(Phase(refs, weights, ph["epochs"], ph["max_length"], ph["lr_scale"]))
+    return phases, long
 
 
 @dataclass
@@ -412,9 +568,11 @@ def make_trainer(
     total: int,
     run: Run,
     init: Drafter | None = None,
+    lr_scale=None,
 ) -> Trainer:
     """A seeded drafter with the target's embeddings and the draft vocab maps, started from
-    `init`'s weights when given (warm start), AdamW, linear warmup then cosine decay."""
+    `init`'s weights when given (warm start), AdamW, linear warmup then cosine decay (times
+    `lr_scale(step)`, train.phases' lr_scale, when given)."""
     torch.manual_seed(hp["seed"])
     model = Drafter(cfg)
     model.embed_tokens.weight.copy_(tensors["embed"])
@@ -428,8 +586,9 @@ def make_trainer(
         trainable, lr=hp["lr"], betas=(0.9, 0.95), weight_decay=hp["weight_decay"]
     )
     warmup = max(1, math.ceil(hp["warmup_ratio"] * total))
+    scale = lr_scale or (lambda s: 1.0)
     sched = torch.optim.lr_scheduler.LambdaLR(
-        opt, lambda s: lr_factor(s, warmup, total, hp["min_lr_ratio"])
+        opt, lambda s: lr_factor(s, warmup, total, hp["min_lr_ratio"]) * scale(s)
     )
     # gradients as views into the all-reduce buckets: no second copy of them
     ddp = DDP(model, gradient_as_bucket_view=True) if run.world > 1 else model
@@ -457,15 +616,18 @@ def resume(ckpt: Path, t: Trainer, hp: dict, run: Run) -> int:
     return state["step"]
 
 
-def save_checkpoint(ckpt: Path, t: Trainer, step: int, steps: Steps, hp: dict) -> None:
-    """Everything a rerun needs to continue at `step` (rank 0 writes it, atomically)."""
+def save_checkpoint(
+    ckpt: Path, t: Trainer, step: int, steps: Steps, hp: dict, seen: dict | None = None
+) -> None:
+    """Everything a rerun needs to continue at `step` (rank 0 writes it, atomically); `seen`,
+    what each dataset trained so far, goes beside it for `eaglet status`."""
     if steps.run.rank != 0:
         return
     state = {
         "hp": hp,
         "world": steps.run.world,
         "step": step,
-        "data_position": {"epoch": step // steps.per_epoch, "batch": step % steps.per_epoch},
+        "data_position": dict(zip(("phase", "epoch", "batch"), steps.locate(step), strict=True)),
         "model": t.model.state_dict(),
         "optimizer": t.opt.state_dict(),
         "scheduler": t.sched.state_dict(),
@@ -477,7 +639,8 @@ def save_checkpoint(ckpt: Path, t: Trainer, step: int, steps: Steps, hp: dict) -
     with atomic_path(ckpt) as tmp:
         torch.save(state, tmp)
     # how far it got, for `eaglet status` (reading the checkpoint itself would load it all)
-    write_json(ckpt.with_name("checkpoint.json"), {"step": step, "total": steps.total})
+    info = {"step": step, "total": steps.total} | ({"datasets": seen} if seen else {})
+    write_json(ckpt.with_name("checkpoint.json"), info)
 
 
 def train_step(
@@ -587,7 +750,7 @@ def fit(
     from `out`'s work folder."""
     run = Run(hp["dtype"], device)
     steps, long = plan_steps(readers, hp, run)
-    t = make_trainer(cfg, tensors, hp, steps.total, run, init)
+    t = make_trainer(cfg, tensors, hp, steps.total, run, init, steps.lr_scale)
     work = out.parent / f".{out.name}.work"
     ckpt = work / "checkpoint.pt"
     start = resume(ckpt, t, hp, run)
@@ -599,10 +762,16 @@ def fit(
         beacon = work / BEACON
     progress = Progress("train", steps.total, quiet or run.rank != 0, "step", beacon)
     progress.done = progress.base = start
+    counted = steps.count(readers, hp, range(start))  # what each dataset trained, so far
     t0 = time.monotonic()
     for step in range(start, steps.total):
-        epoch = step // steps.per_epoch
-        row, tokens = train_step(t, readers, steps.mine(step), hp, run, step)
+        epoch = steps.locate(step)[1]
+        at = hp if steps.phases is None else hp | {"max_length": steps.phase(step).max_length}
+        longer = step > start and at["max_length"] > steps.phase(step - 1).max_length
+        if steps.phases is not None and longer:  # a phase of longer samples: the head's kept
+            t.head.known.clear()  # rows of samples cut shorter are stale, computed again
+        row, tokens = train_step(t, readers, steps.mine(step), at, run, step)
+        steps.count(readers, hp, [step], counted)
         t.rows.append({"step": step + 1, "epoch": epoch} | row)
         progress.note(loss=row.get("loss"), epoch=epoch)
         progress.update(1, tokens=tokens)
@@ -616,7 +785,7 @@ def fit(
             if "select" in hp:
                 select(t, readers, steps.held, hp, run, step, epoch)
         if (step + 1) % checkpoint_every == 0 and step + 1 < steps.total:
-            save_checkpoint(ckpt, t, step + 1, steps, hp)
+            save_checkpoint(ckpt, t, step + 1, steps, hp, steps.seen(counted))
     progress.close()
     elapsed = time.monotonic() - t0
     chosen = None
@@ -639,6 +808,8 @@ def fit(
         "processes": run.world,
         "dtype": run.dtype,
         "train_samples": len(steps.train),
+        "datasets": steps.seen(counted),  # per dataset: samples, tokens, steps trained
+        **({"phases": counted} if steps.phases is not None else {}),
         "heldout_samples": len(steps.held),
         "overlong": long,
         "final_loss": last["loss"] if last else None,
@@ -759,7 +930,8 @@ def run(spec: Spec[TrainSpec], setup: Setup, out: Path) -> Path:
         warm_start.check(cfg, init, f"{where}: {setup.init_from}")
     if pick_device(setup.device).startswith("cuda"):  # on CPU: host memory, no check
         memory = torch.cuda.get_device_properties(0).total_memory
-        check_fits(readers, setup.datasets, cfg, hp, memory)
+        longest = max([hp["max_length"]] + [ph["max_length"] for ph in hp.get("phases", [])])
+        check_fits(readers, setup.datasets, cfg, hp | {"max_length": longest}, memory)
     from eaglet.stages import supervised
 
     try:  # an online reader's engine starts on its first sample and stops here

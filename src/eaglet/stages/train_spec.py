@@ -20,7 +20,9 @@ WARM_FILES = ("config.json", "model.safetensors")  # what a warm start reads of 
 class TrainSpec:
     """What the trained drafter's bytes depend on (and the vocab and hidden states upstream)."""
 
-    train: dict  # drafters.<d>.train without NOT_IN_KEY, max_length, device type and dtype resolved
+    # drafters.<d>.train without NOT_IN_KEY, max_length, device type and dtype resolved, and
+    # `mixture`, the weights of a weighted `datasets` ({name: weight})
+    train: dict
     heldout_fraction: float
     target: dict  # the frozen embeddings and lm_head come from it
     arch: dict  # resolved: every field, never "from the target"
@@ -31,6 +33,19 @@ def spec_of(keys: Keys, drafter: str) -> tuple[TrainSpec, dict]:
     p, d = keys.params, keys.params.drafter(drafter)
     train = {k: v for k, v in d["train"].items() if k not in NOT_IN_KEY}
     train["max_length"] = train.get("max_length") or max(map(p.max_length, d["datasets"]))
+    if isinstance(d["datasets"], dict):  # weighted: each epoch a mixture (the list form: none)
+        train["mixture"] = dict(d["datasets"])
+    if "phases" in train:  # every field resolved; the phases' epochs are the run's
+        del train["epochs"]
+        train["phases"] = [
+            {
+                "datasets": phase.get("datasets", d["datasets"]),
+                "epochs": phase["epochs"],
+                "lr_scale": phase.get("lr_scale", 1.0),
+                "max_length": phase.get("max_length", train["max_length"]),
+            }
+            for phase in train["phases"]
+        ]
     train["device"] = device_type(d["train"]["device"])
     train["dtype"] = resolve_dtype(d["train"]["dtype"], d["train"]["device"])
     if train.get("select", {}).get("by") == "last":  # the same weights as no select at all
