@@ -12,8 +12,8 @@ from eaglet.model.target_head import TargetHead, shift
 from eaglet.params import load
 from eaglet.stages import drafter_data, evaluate, train
 
-from .conftest import tiny_params, write_params
-from .hidden_fixture import HP, MemoryReader, bundle, fit_tiny
+from ..conftest import tiny_params, write_params
+from ..hidden_fixture import HP, MemoryReader, bundle, fit_tiny
 
 SELECT = {"by": "offline_acceptance", "num_steps": 3}
 

@@ -22,12 +22,12 @@ from eaglet.model.drafter import Drafter, DrafterConfig, KVCache
 from eaglet.params import load
 from eaglet.stages import export, train, vocab
 
-from .conftest import tiny_params, write_params
-from .hidden_fixture import HP, MemoryReader
-from .kimi_fixture import TEXT
+from ..conftest import tiny_params, write_params
+from ..hidden_fixture import HP, MemoryReader
+from ..kimi_fixture import TEXT
+from ..vllm_fixture import vllm_loader
 from .test_drafter import eagle31
 from .test_export import _broken
-from .vllm_fixture import vllm_loader
 
 MLA_SIZES = {f: TEXT[f] for f in arch.MLA}  # the miniature's: 32, 512 (Kimi's), 32, 64, 32
 AUX = [1, 3, 4]  # SGLang's default aux layers of 8 layers

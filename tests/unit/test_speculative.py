@@ -7,7 +7,7 @@ from eaglet.model import speculative
 from eaglet.model.drafter import DrafterConfig
 from eaglet.stages import train, vocab
 
-from .hidden_fixture import HP, MemoryReader, sgl_ids, tiny_llama
+from ..hidden_fixture import HP, MemoryReader, sgl_ids, tiny_llama
 
 
 def test_speculative_decoding_equals_greedy(tiny_drafter, monkeypatch):

@@ -14,6 +14,8 @@ import zstandard
 from eaglet.errors import EagletError
 from eaglet.formats.readers import iter_rows
 
+from ..conftest import FIXTURES
+
 ROWS = [
     {"instruction": "Name a colour.", "input": "", "output": "Blue."},
     {"conversations": [{"from": "human", "value": "Hi"}, {"from": "gpt", "value": "Hello!"}]},
@@ -212,7 +214,7 @@ def test_corrupt_files(tmp_path, name, data, what):
 
 
 def test_fixture_files_read_cleanly():
-    fixtures = sorted((Path(__file__).parent / "fixtures" / "formats").glob("*.jsonl"))
+    fixtures = sorted((FIXTURES / "formats").glob("*.jsonl"))
     assert len(fixtures) == 8
     for path in fixtures:
         rows = list(iter_rows(path))

@@ -21,7 +21,7 @@ from eaglet.model.target import (
     resolve,
 )
 
-from .kimi_fixture import ORDINARY, SPECIAL, TEXT, TOOL_MARKERS, VOCAB, tiny_kimi
+from ..kimi_fixture import ORDINARY, SPECIAL, TEXT, TOOL_MARKERS, VOCAB, tiny_kimi
 
 TOOL_CALL_BEGIN = ORDINARY + 13  # `<|tool_call_begin|>`, `special: false` in K2.5's config
 

@@ -7,7 +7,7 @@ import pytest
 from eaglet.errors import EagletError
 from eaglet.params import load
 
-from .conftest import ROOT, tiny_params, write_params
+from ..conftest import ROOT, tiny_params, write_params
 
 
 def params_error(tmp_path, text: str) -> str:
@@ -199,7 +199,7 @@ def test_overlay_keys_are_those_of_the_merged_file(project):
 
     from eaglet.graph.keys import Keys
 
-    from .conftest import tiny_params
+    from ..conftest import tiny_params
 
     base = tiny_params()
     write_params(project, base)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 
@@ -11,7 +10,10 @@ from eaglet.errors import EagletError
 from eaglet.formats.datasets import FORMATS, BadRow, detect, prompt_of, to_messages
 from eaglet.formats.readers import iter_rows
 
-FIXTURES = Path(__file__).parent / "fixtures" / "formats"
+from ..conftest import DEMO
+from ..conftest import FIXTURES as TESTS_FIXTURES
+
+FIXTURES = TESTS_FIXTURES / "formats"
 
 
 def load(fmt: str) -> list[dict]:
@@ -881,7 +883,7 @@ def test_prompt_of_rejects(messages, reason):
 
 def test_demo_data():
     """data/demo/*: every row parses except one planted bad row; one prompt is shared on purpose."""
-    demo = Path(__file__).parent.parent / "data" / "demo"
+    demo = DEMO
     files = {"sharegpt.jsonl": "sharegpt", "dolly.jsonl": "dolly", "alpaca.json": "auto"}
     files["agent.jsonl"] = "agent"
     counts, bad, owners = {}, [], {}

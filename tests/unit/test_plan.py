@@ -18,7 +18,7 @@ from eaglet.params import load
 from eaglet.reports import plan
 from eaglet.stages import export
 
-from .conftest import ROOT
+from ..conftest import ROOT
 
 EXAMPLE = ROOT / "examples" / "kimi-k2.5.params.yaml"
 CONFIG = ROOT / "examples" / "kimi-k2.5.config.json"
@@ -274,7 +274,7 @@ def test_in_process_evaluation_only_where_the_target_fits(project, monkeypatch):
     from eaglet.graph.keys import Keys
     from eaglet.model.target import materialize, resolve
 
-    from .conftest import tiny_params, write_params
+    from ..conftest import tiny_params, write_params
 
     folder = materialize(resolve("smollm2-135m-instruct"))
     with safe_open(f"{folder}/model.safetensors", "pt") as f:

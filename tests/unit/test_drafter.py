@@ -15,7 +15,7 @@ from eaglet.model.drafter import Drafter, DrafterConfig, KVCache
 from eaglet.params import load
 from eaglet.stages import train, vocab
 
-from .conftest import tiny_params, write_params
+from ..conftest import tiny_params, write_params
 
 
 def tiny_config(**kw) -> DrafterConfig:

@@ -11,7 +11,7 @@ from eaglet.formats.records import prompt_id
 from eaglet.graph.keys import Keys, build, sidecar_of
 from eaglet.params import load
 
-from .conftest import FIXTURES, write_params
+from ..conftest import FIXTURES, write_params
 
 FORMATS = FIXTURES / "formats"
 
@@ -196,7 +196,7 @@ def test_suites_are_read_in_order_and_must_not_overlap_training(project):
     from eaglet.model.target import SMOLLM2, load_tokenizer, resolve
     from eaglet.stages import suites
 
-    from .conftest import ROOT, tiny_params
+    from ..conftest import ROOT, tiny_params
 
     data = tiny_params()
     data["drafters"]["d"]["evaluate"]["suites"] = {

@@ -12,7 +12,8 @@ import pytest
 
 from eaglet.cli import parser
 
-ROOT = Path(__file__).resolve().parent.parent
+from ..conftest import ROOT
+
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("**/*.md"))]
 COMMAND = re.compile(r"(?:^\s*|/|[$&|;]\s*)eaglet\s+([a-z][a-z-]*)(?=\s|$)([^#\n]*)")
 SPAN = re.compile(r"`([^`]*)`")

@@ -8,7 +8,7 @@ from pathlib import Path
 from eaglet.graph.keys import STAGES, Keys, sidecar_of
 from eaglet.params import load
 
-from .conftest import ROOT, bump_version, tiny_params, write_params
+from ..conftest import ROOT, bump_version, tiny_params, write_params
 
 
 def test_keys_follow_params_slices(project):
@@ -121,7 +121,7 @@ def _bump(module: str) -> tuple[str, str, str]:
 
 
 # (file, old text or "" to append, new text, stages whose keys must move): plumbing and kernel
-# edits move none (the guard of tests/test_code_versions.py catches a kernel edited without a
+# edits move none (the guard of tests/unit/test_code_versions.py catches a kernel edited without a
 # bump); a stage's version bump moves that stage and its downstream, nothing else.
 EDITS = [
     ("__init__.py", '__version__ = "0.1.0"', '__version__ = "9.9.9"', set()),
@@ -193,13 +193,13 @@ def test_numbers_are_canonical_in_keys(tmp_path):
     from eaglet.graph.keys import Keys
     from eaglet.params import load
 
-    from .conftest import tiny_params, write_params
+    from ..conftest import tiny_params, write_params
 
     def keys(**overrides):
         data = tiny_params(**overrides)
         (tmp_path / "data" / "demo").mkdir(parents=True, exist_ok=True)
         for name in ("sharegpt.jsonl", "dolly.jsonl"):
-            src = Path(__file__).parents[1] / "data" / "demo" / name
+            src = ROOT / "data" / "demo" / name
             (tmp_path / "data" / "demo" / name).write_bytes(src.read_bytes())
         return Keys(load(write_params(tmp_path, data)))
 

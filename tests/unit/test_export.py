@@ -14,9 +14,9 @@ from eaglet.model.arch import NORMS
 from eaglet.model.drafter import Drafter, DrafterConfig
 from eaglet.stages import export, train
 
-from .hidden_fixture import TINY, sgl_ids, tiny_llama
+from ..hidden_fixture import TINY, sgl_ids, tiny_llama
+from ..vllm_fixture import vllm_loader
 from .test_drafter import eagle31
-from .vllm_fixture import vllm_loader
 
 VERIFIER = {"name_or_path": "org/tiny", "architectures": ["LlamaForCausalLM"]}
 LAYER = {
@@ -207,7 +207,7 @@ def test_eagle31_exports_carry_the_options_and_their_weights(trained, tmp_path):
 class CachedAttention(nn.Module):
     """In place of vLLM's attention op (its paged kernel needs a running engine's forward
     context): causal softmax attention of one sequence over the keys and values it has seen,
-    the op eaglet's `drafter.attend` is (tests/test_drafter.py checks that one against the
+    the op eaglet's `drafter.attend` is (tests/unit/test_drafter.py checks that one against the
     explicit score matrix). q [T, heads x d], k and v [T, kv_heads x d]."""
 
     def __init__(self, heads: int, kv_heads: int, head_dim: int):

@@ -17,7 +17,7 @@ import pytest
 from eaglet.graph import code
 from eaglet.graph.keys import STAGES
 
-from .conftest import ROOT, bump_version, tiny_params, write_params
+from ..conftest import ROOT, bump_version, tiny_params, write_params
 
 STAGE_NAMES = list(STAGES)
 PROBE = """
