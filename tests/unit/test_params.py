@@ -1,6 +1,4 @@
 import shutil
-import subprocess
-import sys
 
 import pytest
 
@@ -147,18 +145,6 @@ def test_production_example_shape():
     assert kinds == {"sglang", "openai"}
     assert any("token_budget" in p.dataset(d) for d in p.datasets)
     assert "api_key" not in str(p.data).replace("api_key_env", "")
-
-
-def test_cli_error_is_one_line_exit_2(tmp_path):
-    (tmp_path / "params.yaml").write_text(BASE + "datasets: {a: {path: x, max_samples: -1}}")
-    r = subprocess.run(
-        [sys.executable, "-m", "eaglet", "status", "--params", str(tmp_path / "params.yaml")],
-        capture_output=True,
-        text=True,
-    )
-    assert r.returncode == 2
-    assert r.stderr.count("\n") == 1 and "Traceback" not in r.stderr
-    assert "datasets.a.max_samples" in r.stderr
 
 
 # ---------------------------------------------------------------------------- overlays

@@ -1,0 +1,61 @@
+"""A real vLLM engine serves an EAGLE-3.1 export as eaglet's own speculative decoding decodes it."""
+
+import pytest
+
+from eaglet.model import speculative
+from eaglet.model.drafter import DrafterConfig
+from eaglet.stages import train, vocab
+
+from ...hidden_fixture import HP, MemoryReader, sgl_ids, tiny_llama
+
+
+@pytest.mark.engine
+def test_vllm_serves_an_eagle31_export_as_eaglet_decodes_it(tiny_drafter, tmp_path):
+    """EAGLE-3.1 (fc_norm + norm_output) trained like the tiny drafter (the tiny target's own
+    greedy answers), its vLLM export served by stock vLLM (CPU build, fp32, eager, 3 steps):
+    the engine's greedy text is the target's plain greedy text, and its counters are those of
+    eaglet's own speculative decoding with the same weights: the same drafts, acceptance length
+    and rate per position, so the engine computes the drafts eaglet's math makes."""
+    from eaglet.engines.vllm import Engine, ServeConfig, eagle3
+    from eaglet.stages import engine_eval, export
+
+    target_model, data, _ = tiny_drafter
+    reader = MemoryReader(data["samples"], data["config"])
+    options = {"fc_norm": True, "norm_output": True}
+    cfg = DrafterConfig.from_target(data["config"], 256, sgl_ids(8), options)
+    d2t, t2d = vocab.select(vocab.count_tokens([reader], cfg.vocab_size), 256)
+    tensors = {"embed": data["embed"], "lm_head": data["lm_head"], "d2t": d2t, "t2d": t2d}
+    train.fit([reader], cfg, tensors, HP, tmp_path / "trained", 1000, quiet=True)
+    drafter = train.load(tmp_path / "trained")
+    assert drafter.cfg.fc_norm and drafter.cfg.norm_output
+
+    folder = tmp_path / "target"
+    tiny_llama(folder)
+    verifier = {"name_or_path": str(folder), "architectures": ["LlamaForCausalLM"]}
+    out = tmp_path / "vllm"
+    out.mkdir()
+    export.write(drafter, "vllm", out, verifier, num_steps=3)
+    export.validate(out, drafter)
+
+    # eaglet's decoding with the weights vLLM serves (the export's bf16, in fp32)
+    prompts = [s["input_ids"][:8].tolist() for s in data["samples"]]
+    exported = export.load_export(out)[1]
+    target = speculative.Target(target_model, list(drafter.cfg.aux_layer_ids))
+    plain = [r.tokens for r in speculative.decode(target, prompts, 24, {2})]
+    own = speculative.decode(target, prompts, 24, {2}, exported, 3)
+    oracle = speculative.acceptance(own, 3)
+    assert [r.tokens for r in own] == plain and oracle["mean_acceptance_length"] > 1.05
+    config = ServeConfig(
+        model=str(folder),
+        max_model_len=512,
+        threads=2,
+        speculative=eagle3(out, 3),
+        extra_args=("--skip-tokenizer-init",),
+    )
+    with Engine(config, log=tmp_path / "log") as engine:
+        served = engine_eval.run(engine, "target", prompts, 24, [2], 1)
+    m = served["counters"].summary()
+    assert served["outputs"] == plain
+    assert m["drafts"] == oracle["rounds"]
+    assert m["acceptance_length"] == pytest.approx(oracle["mean_acceptance_length"], abs=0.02)
+    assert m["acceptance_rate"] == pytest.approx(oracle["acceptance_rate"], abs=0.05)
