@@ -30,8 +30,8 @@ from eaglet.model.target import (
 )
 from eaglet.params import load
 
-from .conftest import ROOT, write_params
-from .kimi_fixture import PREFIX, SPECIAL, TEXT, THINK, VOCAB, WRAPPER, operator_engine, tiny_kimi
+from ..conftest import ROOT, write_params
+from ..kimi_fixture import PREFIX, SPECIAL, TEXT, THINK, VOCAB, WRAPPER, operator_engine, tiny_kimi
 
 TOOLS = [
     {
@@ -363,9 +363,7 @@ def test_whole_chain_on_the_miniature(kimi, project):
 
 
 def test_params_file_of_the_example_trusts_a_pinned_revision():
-    example = yaml.safe_load(
-        (Path(__file__).parents[1] / "examples" / "kimi-k2.5.params.yaml").read_text()
-    )
+    example = yaml.safe_load((ROOT / "examples" / "kimi-k2.5.params.yaml").read_text())
     assert example["target"]["trust_remote_code"] is True
     assert len(example["target"]["revision"]) == 40
 

@@ -24,7 +24,7 @@ from eaglet.formats.io import read_jsonl
 from eaglet.graph.keys import Keys
 from eaglet.params import load
 
-from .conftest import ROOT, bump_version, tiny_params, write_params
+from ..conftest import ROOT, bump_version, tiny_params, write_params
 
 pytestmark = pytest.mark.slow
 

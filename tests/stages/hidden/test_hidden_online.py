@@ -22,7 +22,7 @@ from eaglet.params import load
 from eaglet.reports import status
 from eaglet.stages import drafter_data
 
-from .conftest import DEMO, ROOT, tiny_params
+from ...conftest import DEMO, ROOT, tiny_params
 
 pytestmark = [pytest.mark.engine, pytest.mark.slow]
 EXACT = {"dtype": "float32", "compute_dtype": "float32", "threads": 2, "concurrency": 4}

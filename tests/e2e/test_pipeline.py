@@ -14,7 +14,7 @@ from eaglet.model.target import SMOLLM2, load_tokenizer, resolve
 from eaglet.params import load
 from eaglet.stages.turns import cuts
 
-from .conftest import tiny_params, write_params
+from ..conftest import tiny_params, write_params
 
 pytestmark = pytest.mark.slow
 

@@ -24,7 +24,7 @@ from eaglet.model.target import SMOLLM2, load_tokenizer, resolve
 from eaglet.params import load
 from eaglet.stages import hidden
 
-from .conftest import DEMO
+from ...conftest import DEMO
 
 # one thread: the builds of a test agree whatever it is, and on 2 shared cores one thread does
 # not wait at every parallel region for a descheduled other

@@ -22,9 +22,9 @@ from eaglet.graph.keys import Keys, build, sidecar_of
 from eaglet.params import load
 from eaglet.stages.preflight import preflight
 
-from .conftest import ROOT, write_params
-from .fake_llm import FakeLLM, openai_answer
-from .test_generate import CAP, KEY, KEY_ENV, api_params, eaglet, prompts_of
+from ...conftest import ROOT, write_params
+from ...fake_llm import FakeLLM, openai_answer
+from ...test_generate import CAP, KEY, KEY_ENV, api_params, eaglet, prompts_of
 
 
 @pytest.fixture(autouse=True)

@@ -38,9 +38,9 @@ from eaglet.graph.keys import Keys
 from eaglet.model.target import load_model, load_tokenizer, resolve
 from eaglet.params import load, merge_patch
 
-from .conftest import FIXTURES, ROOT
-from .kimi_fixture import operator_engine, tiny_kimi
-from .sglang_server import SGLangServer
+from ..conftest import FIXTURES, ROOT
+from ..kimi_fixture import operator_engine, tiny_kimi
+from ..sglang_server import SGLangServer
 
 pytestmark = [pytest.mark.slow, pytest.mark.engine]  # the operator's vLLM engine
 

@@ -29,8 +29,8 @@ from eaglet.model.target import materialize, resolve, spec_of
 from eaglet.stages import engine_eval, export, train
 from eaglet.stages.turns import cuts
 
-from .conftest import ROOT, tiny_params, write_params
-from .hidden_fixture import tiny_llama
+from ..conftest import ROOT, tiny_params, write_params
+from ..hidden_fixture import tiny_llama
 
 pytestmark = pytest.mark.engine
 SERVER = "vllm.entrypoints.openai.api_server"

@@ -14,8 +14,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from .conftest import ROOT
-from .hidden_fixture import bundle
+from ...conftest import ROOT
+from ...hidden_fixture import bundle
 
 SCRIPT = ROOT / "tests" / "train_tiny.py"
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT / "src")}

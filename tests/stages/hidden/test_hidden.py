@@ -26,8 +26,8 @@ from eaglet.params import load
 from eaglet.reports import status
 from eaglet.stages.hidden_verify import verify
 
-from .conftest import DEMO
-from .sglang_server import SGLangServer
+from ...conftest import DEMO
+from ...sglang_server import SGLangServer
 
 EXACT = {"dtype": "float32", "compute_dtype": "float32", "batch_tokens": 1, "shard_mb": 0.5}
 

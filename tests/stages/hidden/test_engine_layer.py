@@ -12,8 +12,8 @@ from eaglet.engines.sglang import SGLangHidden
 from eaglet.errors import EagletError
 from eaglet.params import load
 
-from .hidden_fixture import TINY, sgl_ids, tiny_llama
-from .sglang_server import SGLangServer
+from ...hidden_fixture import TINY, sgl_ids, tiny_llama
+from ...sglang_server import SGLangServer
 
 
 def test_each_engine_declares_what_it_can_do_and_has_a_factory_for_it():
