@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from ..cli import eaglet
 from ..conftest import ROOT, bump_version, tiny_params, write_params
 from ..unit.test_code_versions import STAGE_NAMES
 
@@ -59,12 +60,6 @@ def _probe(pkg: Path, params: Path) -> dict:
     return json.loads(out.stdout)
 
 
-def _eaglet(pkg: Path, *args: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "eaglet", *args], capture_output=True, text=True, env=_env(pkg)
-    )
-
-
 def _edit(path: Path, old: str, new: str, count: int = 1) -> None:
     text = path.read_text()
     assert text.count(old) >= 1, f"{path.name}: {old!r} not found"
@@ -92,7 +87,7 @@ def test_plumbing_edits_move_no_key_and_pass_the_guard(clone):
     pkg, params = clone
     before = _probe(pkg, params)
     assert before["problems"] == []
-    built = _eaglet(pkg, "prompts", "sg", "--params", str(params))
+    built = eaglet("prompts", "sg", "--params", str(params), env=_env(pkg))
     assert built.returncode == 0, built.stderr
     first = Path(built.stdout.strip()).read_bytes()
     e = pkg / "eaglet"
@@ -122,7 +117,7 @@ def test_plumbing_edits_move_no_key_and_pass_the_guard(clone):
     after = _probe(pkg, params)
     assert after == before
     Path(built.stdout.strip()).unlink()  # the moved code runs, and writes the same bytes
-    again = _eaglet(pkg, "prompts", "sg", "--params", str(params))
+    again = eaglet("prompts", "sg", "--params", str(params), env=_env(pkg))
     assert again.returncode == 0, again.stderr
     assert again.stdout == built.stdout and Path(again.stdout.strip()).read_bytes() == first
 
@@ -143,16 +138,17 @@ def test_a_loss_edit_needs_a_bump_and_the_bump_moves_train_and_below(clone):
     assert problem.startswith("stage train: its kernel changed (eaglet.stages.train:scorer)")
     assert "bump CODE's version in eaglet/stages/train.py" in problem
     # and in the user's clone the stage stops before it reads anything, in one line
-    run = _eaglet(pkg, "train", "d", "--params", str(params))
+    run = eaglet("train", "d", "--params", str(params), env=_env(pkg))
     assert run.returncode == 2 and run.stderr.count("\n") == 1, run.stderr
     assert "stage train: its kernel changed" in run.stderr
-    assert _eaglet(pkg, "code").returncode == 2
+    assert eaglet("code", env=_env(pkg)).returncode == 2
 
-    refused = _eaglet(pkg, "code", "--lock")  # the lock is not rewritten over an unbumped edit
+    # the lock is not rewritten over an unbumped edit
+    refused = eaglet("code", "--lock", env=_env(pkg))
     assert refused.returncode == 2 and "stage train" in refused.stderr
 
     train.write_text(bump_version(train.read_text()))
-    assert _eaglet(pkg, "code", "--lock").returncode == 0
+    assert eaglet("code", "--lock", env=_env(pkg)).returncode == 0
     bumped = _probe(pkg, params)
     assert bumped["problems"] == []
     moved = {s for s in STAGE_NAMES if bumped["keys"][s] != before[s]}
@@ -173,6 +169,6 @@ def test_same_bytes_records_a_refactor_without_moving_a_key(clone):
     seg = "".join(lines[fn.lineno - 1 : fn.end_lineno]).replace(arg, "sources")
     vocab.write_text("".join(lines[: fn.lineno - 1]) + seg + "".join(lines[fn.end_lineno :]))
     assert [p.split(":")[0] for p in _probe(pkg, params)["problems"]] == ["stage vocab"]
-    done = _eaglet(pkg, "code", "--lock", "--same-bytes", "vocab")
+    done = eaglet("code", "--lock", "--same-bytes", "vocab", env=_env(pkg))
     assert done.returncode == 0, done.stderr
     assert _probe(pkg, params) == {"keys": before, "problems": []}

@@ -29,6 +29,7 @@ from eaglet.model.target import materialize, resolve, spec_of
 from eaglet.stages import engine_eval, export, train
 from eaglet.stages.turns import cuts
 
+from ..cli import command, eaglet, environ
 from ..conftest import ROOT, tiny_params, write_params
 from ..hidden_fixture import tiny_llama
 
@@ -119,13 +120,12 @@ def test_ctrl_c_on_a_generate_stage_stops_its_server(project):
     params = tiny_params()
     params["backends"] = {"local": {"kind": "vllm", "threads": 1}}
     write_params(project, params)
-    subprocess.run(
-        [sys.executable, "-m", "eaglet", "prompts", "sg"], cwd=project, check=True, timeout=300
-    )
+    eaglet("prompts", "sg", cwd=project, check=True, timeout=300)
     with open(project / "stage.log", "w") as log:  # the server's log goes to the stage's stderr
         proc = subprocess.Popen(
-            [sys.executable, "-m", "eaglet", "generate", "sg", "--quiet"],
+            command("generate", "sg", "--quiet"),
             cwd=project,
+            env=environ(),
             stdout=subprocess.DEVNULL,
             stderr=log,
             preexec_fn=_ctrl_c_enabled,

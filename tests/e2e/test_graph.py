@@ -24,6 +24,7 @@ from eaglet.formats.io import read_jsonl
 from eaglet.graph.keys import Keys
 from eaglet.params import load
 
+from ..cli import command, eaglet, environ
 from ..conftest import ROOT, bump_version, tiny_params, write_params
 
 pytestmark = pytest.mark.slow
@@ -43,10 +44,6 @@ def run(repo: Path, *cmd: str, check: bool = True) -> str:
 
 def smk(repo: Path, *args: str) -> str:
     return run(repo, sys.executable, "-m", "snakemake", "--cores", "2", *args)
-
-
-def eaglet(repo: Path, *args: str) -> str:
-    return run(repo, sys.executable, "-m", "eaglet", *args)
 
 
 def git(repo: Path, *args: str) -> str:
@@ -130,10 +127,8 @@ def test_report_holds_the_run_numbers(repo):
         assert f'alt="{png}" src="data:image/png;base64,{base64.b64encode(data).decode()}"' in page
     assert keys.key("evaluate", "d") in page and "data/heldout/natural.jsonl" in page
     out = repo / "r.html"
-    run_cli = [sys.executable, "-m", "eaglet", "report", "d", "--out", str(out)]
-    assert subprocess.run(run_cli, cwd=repo, capture_output=True, text=True).stdout.strip() == str(
-        out
-    )
+    report = eaglet("report", "d", "--out", out, cwd=repo, src=repo / "src")
+    assert report.stdout.strip() == str(out)
     strip = re.compile(r"page written [^<]*")  # the time it was written
     assert strip.sub("", out.read_text()) == strip.sub("", page)
 
@@ -213,14 +208,14 @@ def test_artifacts_hold_no_path_of_the_building_machine(repo):
             if path.is_file() and path.suffix in (".json", ".csv", ".jsonl"):
                 text = path.read_text()
                 assert not [m for m in machine if m in text], path
-    vllm = Path(eaglet(repo, "path", "vllm", "d").strip())
+    vllm = Path(run(repo, *command("path", "vllm", "d")).strip())
     verifier = json.loads((vllm / "config.json").read_text())["speculators_config"]["verifier"]
     assert verifier["name_or_path"] == "HuggingFaceTB/SmolLM2-135M-Instruct"
     assert "transformers_version" not in (vllm / "config.json").read_text()
 
 
 def test_deleted_checkpoint_rebuilds_byte_identical(repo):
-    ckpt = Path(eaglet(repo, "path", "train", "d").strip())
+    ckpt = Path(run(repo, *command("path", "train", "d")).strip())
     files = sorted(p for p in ckpt.rglob("*") if p.is_file())
     before = {p.relative_to(ckpt): p.read_bytes() for p in files}
     sidecar = json.loads(ckpt.with_suffix(".json").read_text())
@@ -245,7 +240,7 @@ def test_fresh_clone_plus_dvc_pull_is_up_to_date(repo, tmp_path):
     run(repo, *dvc, "remote", "add", "-f", "-d", "store", str(remote))
     recipe = (ROOT / "Makefile").read_text().split("\nstore: setup\n")[1].split("\n\n")[0]
     assert "eaglet snapshot" in recipe and "data/store" in recipe and "gc" not in recipe
-    assert eaglet(repo, "snapshot").strip() == "data/store/responses.sqlite"
+    assert run(repo, *command("snapshot")).strip() == "data/store/responses.sqlite"
     stages = ("data/prompts", "data/responses", "data/hidden", "data/store", "models")
     run(repo, *dvc, "add", "-q", *stages)
     run(repo, *dvc, "push", "-q")
@@ -265,20 +260,20 @@ def test_fresh_clone_plus_dvc_pull_is_up_to_date(repo, tmp_path):
 
 
 def test_gc_keeps_current_and_status_flags_other_code(repo):
-    eaglet(repo, "gc")
+    run(repo, *command("gc"))
     gen = repo / "src" / "eaglet" / "stages/generate.py"
     old = _edit(gen, "{old}")
     gen.write_text(bump_version(old))
     try:
-        out = eaglet(repo, "status")
+        out = run(repo, *command("status"))
         # the new code's responses and hidden states are stale (older keys sit beside them);
         # the drafter's stages are stale too: their keys cover the hidden keys
         assert out.count("stale") == 4 + 5 and "missing" not in out
-        listing = eaglet(repo, "gc", "--dry-run")
+        listing = run(repo, *command("gc", "--dry-run"))
         assert listing.count("other-code") == 2 and "data/responses/" in listing
     finally:
         gen.write_text(old)
-    assert "other-code" not in eaglet(repo, "gc", "--dry-run")
+    assert "other-code" not in run(repo, *command("gc", "--dry-run"))
 
 
 def test_a_missing_heldout_suite_holds_back_its_evaluation_only(repo):
@@ -288,15 +283,9 @@ def test_a_missing_heldout_suite_holds_back_its_evaluation_only(repo):
     try:
         plan = smk(repo, "-n")
         waits = "waits for data/heldout/natural.jsonl (drafters.d.evaluate.suites.natural.path)"
-        status = eaglet(repo, "status")
-        keys = eaglet(repo, "keys")
-        refused = subprocess.run(
-            [sys.executable, "-m", "eaglet", "evaluate", "d"],
-            cwd=repo,
-            env={**os.environ, "PYTHONPATH": str(repo / "src")},
-            capture_output=True,
-            text=True,
-        )
+        status = run(repo, *command("status"))
+        keys = run(repo, *command("keys"))
+        refused = eaglet("evaluate", "d", cwd=repo, src=repo / "src")
         # the suite arrives with other bytes: the evaluation alone is built again
         suite.write_bytes(saved.replace(b"?", b"!", 1))
         assert saved != suite.read_bytes()
@@ -327,9 +316,9 @@ def test_compare_two_revisions(repo):
     write_params(repo, data)
     git(repo, "commit", "-qam", "dolly at temperature 0.5")
     try:
-        md = eaglet(repo, "compare", "HEAD~1", "HEAD", "--md")
-        same = eaglet(repo, "compare", "HEAD", "HEAD", "--md")
-        built = eaglet(repo, "compare", "HEAD~1", "HEAD~1", "--md")  # the drafter built here
+        md = run(repo, *command("compare", "HEAD~1", "HEAD", "--md"))
+        same = run(repo, *command("compare", "HEAD", "HEAD", "--md"))
+        built = run(repo, *command("compare", "HEAD~1", "HEAD~1", "--md"))  # the drafter built here
     finally:
         git(repo, "reset", "-q", "--hard", "HEAD~1")
     assert "## dataset dolly" in md and "## dataset sg" in md
@@ -363,7 +352,7 @@ def test_compare_with_a_raw_file_outside_git(repo):
     git(repo, "commit", "-qam", "dolly's raw file outside git")
     try:
         assert "data/raw" not in git(repo, "ls-files")
-        md = eaglet(repo, "compare", "HEAD~1", "HEAD", "--md")
+        md = run(repo, *command("compare", "HEAD~1", "HEAD", "--md"))
     finally:
         git(repo, "reset", "-q", "--hard", "HEAD~1")
         shutil.rmtree(repo / "data" / "raw")
@@ -401,10 +390,10 @@ def test_a_warm_start_enters_the_key_by_its_bytes_and_is_recorded(repo, tmp_path
         warm["drafters"]["d"]["train"]["init_from"] = os.path.relpath(export, repo)
         warm["drafters"]["d"]["train"]["select"] = {"by": "offline_acceptance", "num_steps": 2}
         write_params(repo, warm)
-        eaglet(repo, "train", "d")
+        run(repo, *command("train", "d"))
         trained = Keys(load(repo / "params.yaml")).path("train", "d")
         stats = json.loads(trained.parent.joinpath(f"{trained.name}.json").read_text())["stats"]
-        status = eaglet(repo, "status")
+        status = run(repo, *command("status"))
     finally:
         write_params(repo, data)
     vocab = stats["init_from"]["draft_vocab"]
@@ -429,13 +418,8 @@ def test_ddp_training_runs_under_torchrun_and_enters_the_key(tmp_path):
     data = tiny_params()
     write_params(tmp_path, data)
     one = Keys(load(tmp_path / "params.yaml")).key("train", "d")
-    mismatch = subprocess.run(
-        [sys.executable, "-m", "eaglet", "train", "d", "--params", "params.yaml"],
-        cwd=tmp_path,
-        env={**os.environ, "PYTHONPATH": str(tmp_path / "src"), "WORLD_SIZE": "2"},
-        capture_output=True,
-        text=True,
-    )
+    env = environ(tmp_path / "src", WORLD_SIZE="2")
+    mismatch = eaglet("train", "d", params=tmp_path / "params.yaml", env=env)
     assert mismatch.returncode != 0
     assert "drafters.d.train.processes is 1 but 2 processes run" in mismatch.stderr
     assert len(mismatch.stderr.strip().splitlines()) == 1

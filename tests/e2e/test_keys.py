@@ -2,7 +2,6 @@
 package that move only the keys they should."""
 
 import json
-import os
 import shutil
 import subprocess
 import sys
@@ -11,6 +10,7 @@ from pathlib import Path
 from eaglet.graph.keys import STAGES, Keys
 from eaglet.params import load
 
+from ..cli import eaglet, environ
 from ..conftest import ROOT, bump_version, tiny_params, write_params
 
 
@@ -49,13 +49,8 @@ def _and_downstream(*stages: str) -> set[str]:
 
 def _demo_keys(pkg_root: Path, cache: Path) -> dict[tuple[str, str], str]:
     """`eaglet keys --json` on the demo's params.yaml, with the eaglet package at `pkg_root`."""
-    out = subprocess.run(
-        [sys.executable, "-m", "eaglet", "keys", "--json", "--params", str(ROOT / "params.yaml")],
-        capture_output=True,
-        text=True,
-        check=True,
-        env={**os.environ, "PYTHONPATH": str(pkg_root), "EAGLET_CACHE": str(cache)},
-    )
+    env = environ(pkg_root, EAGLET_CACHE=str(cache))
+    out = eaglet("keys", "--json", params=ROOT / "params.yaml", env=env, check=True)
     return {(r["stage"], r["name"]): r["key"] for r in json.loads(out.stdout)}
 
 

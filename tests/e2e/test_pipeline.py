@@ -2,8 +2,6 @@
 
 import json
 import shutil
-import subprocess
-import sys
 
 import pytest
 
@@ -14,26 +12,17 @@ from eaglet.model.target import SMOLLM2, load_tokenizer, resolve
 from eaglet.params import load
 from eaglet.stages.turns import cuts
 
+from ..cli import eaglet
 from ..conftest import tiny_params, write_params
 
 pytestmark = pytest.mark.slow
 
 
-def eaglet(project, *args):
-    r = subprocess.run(
-        [sys.executable, "-m", "eaglet", *args, "--params", str(project / "params.yaml")],
-        capture_output=True,
-        text=True,
-        cwd=project,
-    )
-    assert r.returncode == 0, r.stderr
-    return r
-
-
 def test_cli_prompts_then_responses(project):
     write_params(project, tiny_params())
-    prompts_path = eaglet(project, "prompts", "sg").stdout.strip()
-    r = eaglet(project, "generate", "sg", "--quiet", "--threads", "2")
+    params = project / "params.yaml"
+    prompts_path = eaglet("prompts", "sg", params=params, check=True).stdout.strip()
+    r = eaglet("generate", "sg", "--quiet", "--threads", "2", params=params, check=True)
     out = r.stdout.strip()
     assert out == str(Keys(load(project / "params.yaml")).path("responses", "sg"))
     prompts = list(read_jsonl(prompts_path))
@@ -68,6 +57,7 @@ def test_cli_prompts_then_responses(project):
     # greedy decoding is deterministic: a rebuild gives the same texts
     (project / "again.jsonl.zst").unlink(missing_ok=True)
     shutil.rmtree(project / "data" / "cache")  # regenerate rather than read the response store
-    eaglet(project, "generate", "sg", "--quiet", "--out", str(project / "again.jsonl.zst"))
+    copy = project / "again.jsonl.zst"
+    eaglet("generate", "sg", "--quiet", "--out", copy, params=params, check=True)
     again = list(read_jsonl(project / "again.jsonl.zst"))
     assert [a["output_ids"] for a in again] == [r["output_ids"] for r in recs]

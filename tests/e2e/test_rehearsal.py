@@ -38,6 +38,7 @@ from eaglet.graph.keys import Keys
 from eaglet.model.target import load_model, load_tokenizer, resolve
 from eaglet.params import load, merge_patch
 
+from ..cli import eaglet
 from ..conftest import FIXTURES, ROOT
 from ..kimi_fixture import operator_engine, tiny_kimi
 from ..sglang_server import SGLangServer
@@ -250,13 +251,7 @@ def test_the_runbook_runs_as_printed(servers):
     assert any("params=smoke.yaml" in c for c in ran) and any("--until hidden" in c for c in ran)
     params = load(root / "params.yaml")
     keys = Keys(params)
-    status = subprocess.run(
-        [sys.executable, "-m", "eaglet", "status", "--json", "--params", "params.yaml"],
-        cwd=root,
-        capture_output=True,
-        text=True,
-        check=True,
-    )
+    status = eaglet("status", "--json", params=root / "params.yaml", check=True)
     rows = json.loads(status.stdout)
     assert len(rows) == 8 * 3 + 5 and {r["state"] for r in rows} == {"up to date"}, rows
     # both generation backends answered, each with the miniature's own greedy tokens; prompts

@@ -5,7 +5,6 @@ import os
 import shutil
 import signal
 import subprocess
-import sys
 import time
 
 import pytest
@@ -26,6 +25,7 @@ from eaglet.params import load
 from eaglet.reports import status
 from eaglet.stages.hidden_verify import verify
 
+from ...cli import command, environ
 from ...conftest import DEMO
 from ...sglang_server import SGLangServer
 
@@ -245,13 +245,13 @@ def test_killed_run_resumes_from_the_last_complete_shard(built, capsys):
     final = Keys(params).path("hidden", "sg")
     partial = final.parent / f".{final.name}.partial"
     journal = partial / "journal.jsonl"
-    cmd = [sys.executable, "-m", "eaglet", "hidden", "sg", "--params", str(params.path)]
+    cmd = command("hidden", "sg", params=params.path)
     # the exact build beside it holds every state (hidden.Reuse): out of sight, the killed run
     # computes its shards, as this test means, and is slow enough to be killed midway
     side = sidecar_of(exact)
     side.rename(side.with_suffix(".off"))
     # the reference's threads: on an AMX CPU one thread and two round differently
-    proc = subprocess.Popen([*cmd, "--quiet"], stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen([*cmd, "--quiet"], env=environ(), stderr=subprocess.DEVNULL)
     deadline = time.monotonic() + 120
     beacon = partial / "progress.json"  # written after each shard's journal line
     while not (journal.exists() and journal.read_text().count("\n") >= 2 and beacon.exists()):

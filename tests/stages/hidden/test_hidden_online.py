@@ -4,10 +4,8 @@ The reference is offline training on shards the in-process transformers forward 
 the states agree to the engine's noise and the drafters trained on them agree with it."""
 
 import json
-import os
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -22,7 +20,8 @@ from eaglet.params import load
 from eaglet.reports import status
 from eaglet.stages import drafter_data
 
-from ...conftest import DEMO, ROOT, tiny_params
+from ...cli import command, eaglet, environ
+from ...conftest import DEMO, tiny_params
 
 pytestmark = [pytest.mark.engine, pytest.mark.slow]
 EXACT = {"dtype": "float32", "compute_dtype": "float32", "threads": 2, "concurrency": 4}
@@ -38,14 +37,6 @@ def write(root: Path, name: str, mode: str, **train) -> Path:
     path = root / f"{name}.yaml"
     path.write_text(yaml.safe_dump(data, sort_keys=False))
     return path
-
-
-def eaglet(params: Path, *args: str) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, "-m", "eaglet", *args, "--params", str(params)]
-    r = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=params.parent)
-    assert r.returncode == 0, r.stderr[-3000:]
-    return r
 
 
 def engines_of(spool: Path) -> list[str]:
@@ -67,7 +58,7 @@ def root(tmp_path_factory) -> Path:
         build("responses", ref, ds, quiet=True)
         build("hidden", ref, ds, quiet=True)
     build("vocab", ref, "d")
-    eaglet(root / "offline.yaml", "train", "d")
+    eaglet("train", "d", params=root / "offline.yaml", env=environ(OMP_NUM_THREADS="1"), check=True)
     return root
 
 
@@ -76,14 +67,14 @@ def test_online_kill_resume_matches_offline(root, capsys):
     params, spool = load(params_path), root / "spool-online"
     keys = Keys(params)
     for ds in ("sg", "dolly"):  # the stage writes the manifest and token ids: no engine, no shards
-        eaglet(params_path, "hidden", ds)
+        eaglet("hidden", ds, params=params_path, env=environ(OMP_NUM_THREADS="1"), check=True)
         assert sorted(p.name for p in keys.path("hidden", ds).iterdir()) == [
             "manifest.json",
             "tokens.safetensors",
         ]
     status.show(params)  # `eaglet status` reads a folder without shards
     assert capsys.readouterr().out.count("ids only: states from the engine") == 2
-    eaglet(params_path, "vocab", "d")
+    eaglet("vocab", "d", params=params_path, env=environ(OMP_NUM_THREADS="1"), check=True)
     want = load_file(Keys(load(root / "offline.yaml")).path("vocab", "d"))
     got = load_file(keys.path("vocab", "d"))
     assert all(torch.equal(got[k], want[k]) for k in want)
@@ -105,8 +96,8 @@ def test_online_kill_resume_matches_offline(root, capsys):
 
     # kill -9 mid-training: the reaper ends the engine; the rerun resumes from the checkpoint
     out = keys.path("train", "d")
-    env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, "-m", "eaglet", "train", "d", "--params", str(params_path)]
+    cmd = command("train", "d", params=params_path)
+    env = environ(OMP_NUM_THREADS="1")
     proc = subprocess.Popen(cmd, env=env, cwd=root, stderr=subprocess.DEVNULL)
     ckpt = out.parent / f".{out.name}.work" / "checkpoint.pt"
     deadline = time.monotonic() + 400
@@ -121,7 +112,7 @@ def test_online_kill_resume_matches_offline(root, capsys):
     assert not engines_of(spool), "engine outlived a training process killed with SIGKILL"
     assert not out.exists()
 
-    eaglet(params_path, "train", "d")
+    eaglet("train", "d", params=params_path, env=environ(OMP_NUM_THREADS="1"), check=True)
     stats = read_json(keys.sidecar("train", "d"))["stats"]
     assert stats["resumed_from"] > 0 and stats["steps"] > stats["resumed_from"]
     assert not engines_of(spool) and not list(spool.iterdir())
@@ -149,9 +140,9 @@ def test_hybrid_caches_then_trains_without_engine(root):
     params = load(params_path)
     keys = Keys(params)
     for ds in ("sg", "dolly"):
-        eaglet(params_path, "hidden", ds)
-    eaglet(params_path, "vocab", "d")
-    first = eaglet(params_path, "train", "d")
+        eaglet("hidden", ds, params=params_path, env=environ(OMP_NUM_THREADS="1"), check=True)
+    eaglet("vocab", "d", params=params_path, env=environ(OMP_NUM_THREADS="1"), check=True)
+    first = eaglet("train", "d", params=params_path, env=environ(OMP_NUM_THREADS="1"), check=True)
     assert "from the engine" in first.stderr
     for ds in ("sg", "dolly"):
         cache = keys.path("hidden", ds).with_name(keys.path("hidden", ds).name + ".cache")
@@ -159,6 +150,6 @@ def test_hybrid_caches_then_trains_without_engine(root):
 
     # another run (another seed: another key) reads every state from the cache, no engine
     params_path = write(root, "hybrid", "hybrid", epochs=2, seed=1)
-    second = eaglet(params_path, "train", "d")
+    second = eaglet("train", "d", params=params_path, env=environ(OMP_NUM_THREADS="1"), check=True)
     assert "0 samples (0 tokens) from the engine, " in second.stderr, second.stderr[-2000:]
     assert not engines_of(root / "spool-hybrid")

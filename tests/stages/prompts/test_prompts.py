@@ -10,6 +10,7 @@ import pytest
 from eaglet.formats.io import read_jsonl
 from eaglet.formats.records import prompt_id
 
+from ...cli import eaglet
 from ...conftest import write_params
 from ...unit.test_prompts import FORMATS, run_stage
 
@@ -31,14 +32,6 @@ def test_ids_are_content_hashes_stable_across_processes(tmp_path):
     msgs = [{"role": "user", "content": "hi"}]
     canonical = b'[{"content":"hi","role":"user"}]'  # sorted keys, no spaces, UTF-8
     assert prompt_id(msgs) == hashlib.sha256(canonical).hexdigest()[:16]
-
-
-def cli(tmp_path, *args):
-    return subprocess.run(
-        [sys.executable, "-m", "eaglet", *args, "--params", str(tmp_path / "params.yaml")],
-        capture_output=True,
-        text=True,
-    )
 
 
 @pytest.mark.parametrize(
@@ -63,7 +56,7 @@ def test_bad_input_is_one_line_exit_2(tmp_path, content, fmt, expected):
             "datasets": {"d": {"path": "d.jsonl", "format": fmt}},
         },
     )
-    r = cli(tmp_path, "prompts", "d")
+    r = eaglet("prompts", "d", params=tmp_path / "params.yaml")
     assert r.returncode == 2, r.stderr
     assert "Traceback" not in r.stderr and r.stderr.strip().count("\n") == 0
     assert expected in r.stderr and "d.jsonl" in r.stderr
@@ -79,11 +72,11 @@ def test_cli_reports_bad_rows_with_line_numbers_and_prints_path(tmp_path):
             "datasets": {"d": {"path": str(src), "format": "sharegpt"}},
         },
     )
-    r = cli(tmp_path, "prompts", "d")
+    r = eaglet("prompts", "d", params=tmp_path / "params.yaml")
     assert r.returncode == 0, r.stderr
     out = r.stdout.strip()
     assert out.endswith(".jsonl.zst") and "/data/prompts/d/" in out
     skipped = [ln for ln in r.stderr.splitlines() if "skipped" in ln]
     assert skipped and all(f"{src}:" in ln for ln in skipped)
-    r2 = cli(tmp_path, "prompts", "d", "--key", "000000000000")
+    r2 = eaglet("prompts", "d", "--key", "000000000000", params=tmp_path / "params.yaml")
     assert r2.returncode == 2 and "not the current key" in r2.stderr
