@@ -1,17 +1,11 @@
-"""The MLA draft layer (`arch.attention: mla`): resolved from the Kimi miniature's MLA sizes,
-trained through the same training-time test, exported as Eagle3DeepseekV2ForCausalLM for vLLM
-and SGLang, and computed by vLLM's own class from the export (its attention op aside: vLLM's
-MLA kernel needs a running engine, and its CPU build does not run speculative decoding on MLA);
-its training memory against a hand computation."""
+"""The MLA draft layer (`arch.attention: mla`): resolved from the Kimi miniature's MLA sizes, its
+training-time test equal to chain decoding, and its training memory against a hand computation.
+Trained, exported and computed by vLLM's class: tests/stages/export/test_mla.py."""
 
-import csv
-import dataclasses
 import json
-from types import SimpleNamespace
 
 import pytest
 import torch
-from safetensors.torch import load_file
 
 from eaglet.errors import EagletError
 from eaglet.graph.keys import Keys
@@ -19,13 +13,10 @@ from eaglet.model import arch, train_memory
 from eaglet.model import drafter as drafter_module
 from eaglet.model.drafter import Drafter, DrafterConfig, KVCache
 from eaglet.params import load
-from eaglet.stages import export, train, vocab
 
 from ..conftest import tiny_params, write_params
-from ..hidden_fixture import HP, MemoryReader
 from ..kimi_fixture import TEXT
 from .test_drafter import eagle31
-from .test_export import _broken
 
 MLA_SIZES = {f: TEXT[f] for f in arch.MLA}  # the miniature's: 32, 512 (Kimi's), 32, 64, 32
 AUX = [1, 3, 4]  # SGLang's default aux layers of 8 layers
@@ -105,92 +96,6 @@ def test_mla_ttt_step_k_is_what_chain_decoding_computes(monkeypatch, q_lora_rank
             for k in (1, 2):
                 h = model.step(h, ids[:, t + k + 1 : t + k + 2], torch.tensor([t + k]), cache)
                 assert torch.allclose(model.logits(h)[0, 0], ttt[k][0, t], atol=1e-5)
-
-
-# ------------------------------------------------------------------- train, export, vLLM
-
-
-@pytest.fixture(scope="module")
-def trained_mla(tmp_path_factory):
-    """An MLA drafter trained by train.fit (the training-time test, 3 steps) on the Kimi
-    miniature's states (its DeepSeek-V3 text model as tests/kimi_fixture.py builds it, lm_head
-    scaled so that its next-token distribution is peaked, as a trained model's is) over random
-    token sequences, the draft vocab its most frequent argmaxes; and its metrics rows."""
-    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
-
-    torch.set_num_threads(2)
-    torch.manual_seed(0)
-    target = DeepseekV3ForCausalLM(DeepseekV3Config(**TEXT)).eval().requires_grad_(False)
-    target.lm_head.weight.mul_(30.0)
-    ids = torch.randint(3, TEXT["vocab_size"], (8, 48), generator=torch.Generator().manual_seed(0))
-    with torch.no_grad():  # one batched forward: what hidden_fixture.sample takes per sample
-        hs = target(ids, output_hidden_states=True).hidden_states
-    answer = torch.arange(48) >= 8  # 8 prompt tokens, then the supervised answer
-    samples = [
-        {
-            "id": f"s{i:04d}",
-            "input_ids": ids[i],
-            "loss_mask": answer,
-            "aux": torch.stack([hs[k + 1][i] for k in AUX], dim=1),
-            "last": hs[-1][i],
-        }
-        for i in range(len(ids))
-    ]
-    reader = MemoryReader(samples, SimpleNamespace(**TEXT))
-    lm_head = target.lm_head.weight.clone()
-    argmax = torch.cat([(s["last"] @ lm_head.T).argmax(-1)[answer] for s in samples])
-    d2t, t2d = vocab.select(torch.bincount(argmax, minlength=TEXT["vocab_size"]), DRAFT_VOCAB)
-    embed = target.model.embed_tokens.weight.clone()
-    tensors = {"embed": embed, "lm_head": lm_head, "d2t": d2t, "t2d": t2d}
-    out = tmp_path_factory.mktemp("mla") / "trained"
-    hp = HP | {"epochs": 10, "batch_size": 2, "heldout_fraction": 0.2}
-    stats = train.fit([reader], mla_config(), tensors, hp, out, quiet=True)
-    with open(out / "metrics.csv") as f:
-        rows = list(csv.DictReader(f))
-    return train.load(out), stats, rows
-
-
-def test_what_an_engine_cannot_serve_is_refused_in_one_line(trained_mla, tmp_path):
-    """vLLM's MLA class has no input_norm (norm_before_fc) and 0.32's loader cannot place an
-    MLA layer without q_lora_rank; SGLang's MLA class reads none of EAGLE-3.1's options. The
-    validator catches an MLA export that is not the trained drafter. A drafter without
-    q_lora_rank still exports for SGLang (q_proj, validated)."""
-    model, _, _ = trained_mla
-    cases = [
-        ("vllm", {"norm_before_fc": True}, "has no norm_before_fc"),
-        ("vllm", {"q_lora_rank": None}, "cannot load an MLA layer without q_lora_rank"),
-        ("sglang", {"fc_norm": True, "norm_output": True}, "has no fc_norm or norm_output"),
-    ]
-    for fmt, fields, message in cases:
-        bad = Drafter(dataclasses.replace(model.cfg, **fields))
-        with pytest.raises(EagletError, match=message) as e:
-            export.write(bad, fmt, tmp_path, {})
-        assert "\n" not in str(e.value)
-    good = {}
-    for fmt in ("vllm", "sglang"):
-        good[fmt] = tmp_path / f"good-{fmt}"
-        good[fmt].mkdir()
-        export.write(model, fmt, good[fmt], {})
-    broken = [  # what the validator catches before an engine loads it silently
-        ("vllm", lambda c: c.update(eagle_aux_hidden_state_layer_ids=AUX), None, "differs"),
-        ("sglang", lambda c: c.update(kv_lora_rank=256), None, "has shape"),
-        ("sglang", lambda c: c.update(fc_norm=True), None, "ignores fc_norm"),
-        ("vllm", None, lambda t: t.pop("layers.0.self_attn.kv_a_layernorm.weight"), "missing"),
-        ("vllm", None, lambda t: t["layers.0.self_attn.kv_b_proj.weight"].mul_(0.5), "differ"),
-    ]
-    for i, (fmt, edit_config, edit_tensors, message) in enumerate(broken):
-        bad = _broken(good[fmt], tmp_path / f"bad{i}", edit_config, edit_tensors)
-        with pytest.raises(EagletError, match=message):
-            export.validate(bad, model)
-    plain_q = Drafter(dataclasses.replace(model.cfg, q_lora_rank=None))
-    plain_q.load_state_dict(model.state_dict(), strict=False)  # d2t, t2d, the rest
-    folder = tmp_path / "sglang"
-    folder.mkdir()
-    export.write(plain_q, "sglang", folder, {})
-    assert json.loads((folder / "config.json").read_text())["q_lora_rank"] is None
-    names = load_file(str(folder / "model.safetensors"))
-    assert "midlayer.self_attn.q_proj.weight" in names and not any("q_a_" in n for n in names)
-    assert export.validate(folder, plain_q)["format"] == "sglang"
 
 
 # ------------------------------------------------------------------------- training memory

@@ -12,7 +12,7 @@ from eaglet.errors import EagletError
 from eaglet.model.drafter import Drafter
 from eaglet.stages import export, train, warm_start
 
-from ..hidden_fixture import fit_tiny
+from ...hidden_fixture import fit_tiny
 
 VERIFIER = {"name_or_path": "org/tiny", "architectures": ["LlamaForCausalLM"]}
 
