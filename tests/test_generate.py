@@ -24,6 +24,7 @@ from eaglet.params import load
 from eaglet.reports import status
 from eaglet.stages.preflight import preflight
 
+from . import cli
 from .conftest import ROOT, write_params
 from .fake_llm import FakeLLM, chat_digest, openai_answer, sglang_answer
 
@@ -95,12 +96,8 @@ def setup(project: Path, data: dict, *datasets: str):
 
 
 def eaglet(project: Path, *args: str, check: bool = True) -> subprocess.CompletedProcess:
-    env = dict(os.environ, PYTHONPATH=str(ROOT / "src"))
-    cmd = [sys.executable, "-m", "eaglet", *args, "--params", str(project / "params.yaml")]
-    r = subprocess.run(cmd, capture_output=True, text=True, cwd=project, env=env)
-    if check:
-        assert r.returncode == 0, r.stderr
-    return r
+    """The project's command line (tests/cli.py; test_status and test_budgets import this)."""
+    return cli.eaglet(*args, params=project / "params.yaml", check=check)
 
 
 def records(params, ds: str) -> list[dict]:
@@ -136,12 +133,10 @@ def test_faulty_server_kill9_then_rerun_gives_every_answer_once(tmp_path, server
     data = api_params(fake.url, {"big": {"path": "data/raw.jsonl", "format": "sharegpt"}})
     data["backends"]["api"]["concurrency"] = 64
     params = setup(tmp_path, data)
-    env = dict(os.environ, PYTHONPATH=str(ROOT / "src"))
-    cmd = [sys.executable, "-m", "eaglet", "generate", "big", "--quiet", "--params"]
     proc = subprocess.Popen(
-        [*cmd, str(tmp_path / "params.yaml")],
+        cli.command("generate", "big", "--quiet", params=tmp_path / "params.yaml"),
         cwd=tmp_path,
-        env=env,
+        env=cli.environ(),
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
     )
@@ -240,9 +235,9 @@ def test_identical_prompts_are_paid_once_and_processes_share_the_store(tmp_path,
     params = setup(tmp_path, data)
     procs = [  # two generations at once on one store
         subprocess.Popen(
-            [sys.executable, "-m", "eaglet", "generate", ds, "--quiet", "--params", "params.yaml"],
+            cli.command("generate", ds, "--quiet", params=tmp_path / "params.yaml"),
             cwd=tmp_path,
-            env=dict(os.environ, PYTHONPATH=str(ROOT / "src")),
+            env=cli.environ(),
             stderr=subprocess.PIPE,
         )
         for ds in ("x", "y")
