@@ -13,7 +13,7 @@ import pytest
 from eaglet.errors import EagletError
 from eaglet.stages import mixture, train
 
-from .conftest import tiny_params, write_params
+from ..conftest import tiny_params, write_params
 
 
 class Ids:
@@ -185,7 +185,7 @@ def tiny2():
     from eaglet.model.drafter import DrafterConfig
     from eaglet.stages import vocab
 
-    from .hidden_fixture import TINY, MemoryReader, bundle, sgl_ids
+    from ..hidden_fixture import TINY, MemoryReader, bundle, sgl_ids
 
     torch.set_num_threads(1)
     data = bundle(n=14, new_tokens=6)
@@ -204,7 +204,7 @@ def test_training_reports_what_each_dataset_trained(tiny2, tmp_path):
     (the train sidecar's) and `eaglet status` give each one's samples, tokens and steps."""
     from eaglet.reports.status import _details
 
-    from .hidden_fixture import HP as TINY_HP
+    from ..hidden_fixture import HP as TINY_HP
 
     readers, cfg, tensors = tiny2
     mix = {"code": 1, "chat": 3}  # chat (6 samples) up-weighted beyond its size
@@ -362,7 +362,7 @@ def test_training_in_phases_resumes_at_the_boundary(tiny2, tmp_path, monkeypatch
     import torch
     from safetensors.torch import load_file
 
-    from .hidden_fixture import HP as TINY_HP
+    from ..hidden_fixture import HP as TINY_HP
 
     readers, cfg, tensors = tiny2
     phases = [
