@@ -14,10 +14,10 @@ from eaglet.graph.keys import Keys
 from eaglet.model.dflash.config import DFlashConfig
 from eaglet.model.dflash.train import Hyper, fit, init
 from eaglet.params import load
-from eaglet.stages import export_dflash, train_dflash
+from eaglet.stages import drafter_data, export_dflash, train_dflash
 
 from .conftest import tiny_params, write_params
-from .hidden_fixture import TINY, bundle
+from .hidden_fixture import TINY, MemoryReader, bundle
 
 
 def test_eagle3_keys_unchanged_and_dflash_keyed(project):
@@ -111,3 +111,31 @@ def test_trained_folder_exports_for_both_engines(tmp_path):
         assert engine in command
         assert ('"num_speculative_tokens":3' in command) == (fmt == "vllm")
         assert ("--speculative-dflash-block-size 4" in command) == (fmt == "sglang")
+
+
+def test_the_stage_trains_on_the_stored_layers_it_names(tmp_path):
+    """train_dflash.train over a reader (the store's contract): the drafter's layers picked
+    out of the stored ones, the held-out split left out, steps from epochs, a d2t vocab; the
+    loss falls and the folder loads back."""
+    data = bundle(n=8, new_tokens=12)
+    reader = MemoryReader(data["samples"], data["config"])
+    section = {"block_size": 4, "num_layers": 1, "anchors": 16, "gamma": 4.0}
+    section |= {"mask_token_id": 5, "target_layer_ids": [1, 4], "num_target_layers": 8}
+    train = {"epochs": 6, "batch_size": 2, "lr": 3e-3, "warmup_ratio": 0.1, "seed": 0}
+    train |= {"max_grad_norm": 1.0, "max_length": 64, "dflash": section}
+    text = TINY | {"rms_norm_eps": 1e-6}  # the tiny target (LlamaConfig's default eps)
+    arch = {k: text[k] for k in train_dflash.LAYER_FIELDS if k != "rope_scaling"}
+    values = SimpleNamespace(train=train, heldout_fraction=0.25, arch=arch | {"rope_scaling": None})
+    d2t = torch.arange(512) * 2 - torch.arange(512)  # target ids 0, 2, 4, ...
+    out = tmp_path / "trained"
+    stats = train_dflash.train(
+        [reader], values, "p: drafters.d.dflash", out, data["embed"], data["lm_head"], d2t
+    )
+    kept, _ = drafter_data.split([reader], 0.25)
+    assert stats["samples"] == len(kept) and stats["steps"] == 6 * -(-len(kept) // 2)
+    back = train_dflash.load(out, data["embed"])
+    assert back.cfg.target_layer_ids == (1, 4) and back.cfg.draft_vocab_size == 512
+    assert back.fc.in_features == 2 * data["config"].hidden_size
+    with open(out / "metrics.csv") as f:
+        losses = [float(line.split(",")[1]) for line in list(f)[1:]]
+    assert losses[-1] < losses[0]

@@ -76,19 +76,24 @@ def hyper(train: dict, section: dict, n: int) -> Hyper:
 
 def run(spec, setup, out: Path, embed, lm_head, d2t) -> dict:
     """Train the DFlash drafter `spec` describes into `out`; the sidecar's stats."""
-    v, name = spec.values, spec.name
-    where = f"{setup.source}: drafters.{name}.dflash"
-    section = v.train["dflash"]
-    torch.manual_seed(v.train["seed"])
+    where = f"{setup.source}: drafters.{spec.name}.dflash"
     readers = drafter_data.open_readers(setup.states)
     try:
-        manifest = readers[0].manifest
-        stored = list(manifest["aux_layer_ids"]["sglang"])
-        layers = [stored.index(i) for i in section["target_layer_ids"]]
-        train_refs, _ = drafter_data.split(readers, v.heldout_fraction)
-        data = samples(readers, train_refs, layers, v.train["max_length"])
+        return train(readers, spec.values, where, out, embed, lm_head, d2t)
     finally:
         drafter_data.close_readers(readers)
+
+
+def train(readers: list, v, where: str, out: Path, embed, lm_head, d2t) -> dict:
+    """`v`: the train spec's values (train settings with the resolved dflash section, the
+    held-out fraction, the resolved layer sizes in arch)."""
+    section = v.train["dflash"]
+    torch.manual_seed(v.train["seed"])
+    manifest = readers[0].manifest
+    stored = list(manifest["aux_layer_ids"]["sglang"])
+    layers = [stored.index(i) for i in section["target_layer_ids"]]
+    train_refs, _ = drafter_data.split(readers, v.heldout_fraction)
+    data = samples(readers, train_refs, layers, v.train["max_length"])
     check_mask_token(data, section["mask_token_id"], where)
     vocab = manifest["target"]["vocab_size"]
     full = len(d2t) >= vocab
@@ -106,11 +111,8 @@ def run(spec, setup, out: Path, embed, lm_head, d2t) -> dict:
     model = init(cfg, embed.float(), lm_head.float(), None if full else d2t)
     rows = fit(model, data, hyper(v.train, section, len(data)))
     save(model, out, rows)
-    return {
-        "samples": len(data),
-        "steps": len(rows),
-        "final_loss": rows[-1]["loss"] if rows else None,
-    }
+    final = rows[-1]["loss"] if rows else None
+    return {"samples": len(data), "steps": len(rows), "final_loss": final}
 
 
 LAYER_FIELDS = (
