@@ -413,6 +413,13 @@ def setup(
 
 def run(spec: Spec[EvaluateSpec], setup: Setup, out: Path) -> Path:
     """Measure the drafter as `spec` says; write the metrics folder `out` and its sidecar."""
+    from eaglet.stages import train_dflash
+
+    if train_dflash.is_dflash(setup.trained):  # its measures are not wired yet (issue 54)
+        raise EagletError(
+            f"drafters.{spec.name}.method: dflash: evaluate does not measure DFlash drafters "
+            "yet; serve its export (eaglet export --to vllm prints the command)"
+        )
     cfg = spec.values.evaluate
     own_decoder = cfg["in_process"]
     if cfg["engine"] == "vllm" and not setup.engine_url:

@@ -69,6 +69,10 @@ CODE = Code(
         "eaglet.stages.export:write",
         "eaglet.model.drafter",
         "eaglet.stages.train:load",
+        # method dflash
+        "eaglet.model.dflash.export",
+        "eaglet.stages.export_dflash:validate",
+        "eaglet.stages.train_dflash:load",
     ),
 )
 
@@ -511,6 +515,10 @@ def run(spec: Spec[ExportSpec], setup: Setup, out: Path) -> tuple[Path, str]:
     """Write and validate the export `spec` describes at `out`; (path, serving command)."""
     if not setup.trained.exists():
         raise EagletError(f"drafters.{spec.name}: not trained yet: {setup.trained}")
+    from eaglet.stages import export_dflash, train_dflash
+
+    if train_dflash.is_dflash(setup.trained):  # method dflash: z-lab's layout, both engines
+        return export_dflash.run(spec, setup, out)
     model = train.load(setup.trained)
     v = spec.values
     name = v.verifier

@@ -86,6 +86,12 @@ CODE = Code(
         "eaglet.stages.train:accepted_counts",
         "eaglet.stages.train:offline_acceptance",
         "eaglet.stages.train:select",
+        # method dflash
+        "eaglet.model.dflash.config",
+        "eaglet.model.dflash.model",
+        "eaglet.model.dflash.loss",
+        "eaglet.model.dflash.train",
+        "eaglet.stages.train_dflash",
     ),
 )
 
@@ -909,6 +915,13 @@ def run(spec: Spec[TrainSpec], setup: Setup, out: Path) -> Path:
             f"{world} processes run (WORLD_SIZE): the global batch, and so the checkpoint, "
             "depends on it"
         )
+    if v.train.get("method") == "dflash":  # the same samples, a block drafter's training
+        from eaglet.stages import train_dflash
+
+        embed, lm_head = load_head(setup.target)
+        stats = train_dflash.run(spec, setup, out, embed, lm_head, vocab.load(setup.vocab)[0])
+        write_json(sidecar_of(out), {"provenance": spec.provenance(), "stats": stats})
+        return out
     readers = drafter_data.open_readers(setup.states)
     d2t, t2d = vocab.load(setup.vocab)
     manifest = readers[0].manifest

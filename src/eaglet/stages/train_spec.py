@@ -11,6 +11,7 @@ from eaglet.errors import EagletError
 from eaglet.formats.hashing import file_digest
 from eaglet.graph.keys import Keys
 from eaglet.model import arch
+from eaglet.stages import dflash_spec, hidden_spec
 
 NOT_IN_KEY = ("checkpoint_every", "device", "min_supervised_share")  # no output byte
 WARM_FILES = ("config.json", "model.safetensors")  # what a warm start reads of its folder
@@ -55,6 +56,11 @@ def spec_of(keys: Keys, drafter: str) -> tuple[TrainSpec, dict]:
         train["init_from"] = warm_digest(p.resolve(train["init_from"]), where)
     text, where, prefix = keys.target_text_config()
     resolved = arch.resolve(text, d["arch"], where, prefix)
+    if d["method"] == "dflash":  # only then: an eagle3 drafter's key is that of before
+        section = f"{p.path}: drafters.{drafter}.dflash"
+        stored = hidden_spec.layer_ids(keys, p.data["hidden"])
+        train["method"] = "dflash"
+        train["dflash"] = dflash_spec.resolve(d.get("dflash", {}), text, stored, section, where)
     spec = TrainSpec(
         train=train,
         heldout_fraction=d["heldout_fraction"],

@@ -1,0 +1,172 @@
+"""The train stage for method dflash: the drafter's samples (the same responses and stored
+hidden states EAGLE-3 reads) through eaglet.model.dflash.train, into a folder of
+`dflash.json` (the config), `model.safetensors` (fp32, no embeddings) and `metrics.csv`.
+
+Called by eaglet.stages.train.run when the spec's train settings say method dflash; its
+kernel parts are listed in train's CODE."""
+
+from __future__ import annotations
+
+import csv
+import io
+import math
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from eaglet.errors import EagletError
+from eaglet.formats.atomic import atomic_path, write_text
+from eaglet.formats.io import read_json, write_json
+from eaglet.model.dflash.config import DFlashConfig
+from eaglet.model.dflash.model import DFlash
+from eaglet.model.dflash.train import Hyper, fit, init
+from eaglet.stages import drafter_data
+
+CONFIG = "dflash.json"
+
+
+def is_dflash(folder: Path) -> bool:
+    return (Path(folder) / CONFIG).is_file()
+
+
+def samples(readers: list, refs: list, layers: list[int], max_length: int) -> list[dict]:
+    """The training samples cut at max_length, aux narrowed to the drafter's stored layers
+    (`layers`: indexes into the store's aux axis, ascending)."""
+    out = []
+    for i, sid in refs:
+        s = readers[i].get(sid)
+        n = min(len(s["input_ids"]), max_length)
+        out.append(
+            {
+                "input_ids": s["input_ids"][:n].long(),
+                "loss_mask": s["loss_mask"][:n].bool(),
+                "aux": s["aux"][:n, layers].float(),
+            }
+        )
+    return out
+
+
+def check_mask_token(data: list[dict], mask: int, where: str) -> None:
+    """The mask token must be one the target never emits: none of its supervised tokens."""
+    for s in data:
+        if (s["input_ids"][s["loss_mask"]] == mask).any():
+            raise EagletError(
+                f"{where}.mask_token_id: {mask} is a token the target emits (it is in its "
+                "answers); pick a token it never emits"
+            )
+
+
+def hyper(train: dict, section: dict, n: int) -> Hyper:
+    per_epoch = math.ceil(n / train["batch_size"])
+    steps = train["epochs"] * per_epoch
+    if train.get("max_steps"):
+        steps = min(steps, train["max_steps"])
+    return Hyper(
+        steps=steps,
+        lr=train["lr"],
+        warmup=max(1, round(train["warmup_ratio"] * steps)),
+        batch_size=train["batch_size"],
+        anchors=section["anchors"],
+        gamma=section["gamma"],
+        grad_clip=train["max_grad_norm"],
+        seed=train["seed"],
+    )
+
+
+def run(spec, setup, out: Path, embed, lm_head, d2t) -> dict:
+    """Train the DFlash drafter `spec` describes into `out`; the sidecar's stats."""
+    where = f"{setup.source}: drafters.{spec.name}.dflash"
+    readers = drafter_data.open_readers(setup.states)
+    try:
+        return train(readers, spec.values, where, out, embed, lm_head, d2t)
+    finally:
+        drafter_data.close_readers(readers)
+
+
+def train(readers: list, v, where: str, out: Path, embed, lm_head, d2t) -> dict:
+    """`v`: the train spec's values (train settings with the resolved dflash section, the
+    held-out fraction, the resolved layer sizes in arch)."""
+    section = v.train["dflash"]
+    torch.manual_seed(v.train["seed"])
+    manifest = readers[0].manifest
+    stored = list(manifest["aux_layer_ids"]["sglang"])
+    layers = [stored.index(i) for i in section["target_layer_ids"]]
+    train_refs, _ = drafter_data.split(readers, v.heldout_fraction)
+    data = samples(readers, train_refs, layers, v.train["max_length"])
+    check_mask_token(data, section["mask_token_id"], where)
+    vocab = manifest["target"]["vocab_size"]
+    full = len(d2t) >= vocab
+    cfg = DFlashConfig(
+        vocab_size=vocab,
+        draft_vocab_size=vocab if full else len(d2t),
+        target_hidden_size=manifest["target"]["hidden_size"],
+        num_target_layers=section["num_target_layers"],
+        target_layer_ids=tuple(section["target_layer_ids"]),
+        mask_token_id=section["mask_token_id"],
+        block_size=section["block_size"],
+        num_layers=section["num_layers"],
+        **{k: v.arch[k] for k in LAYER_FIELDS},
+    )
+    model = init(cfg, embed.float(), lm_head.float(), None if full else d2t)
+    rows = fit(model, data, hyper(v.train, section, len(data)))
+    save(model, out, rows)
+    final = rows[-1]["loss"] if rows else None
+    return {"samples": len(data), "steps": len(rows), "final_loss": final}
+
+
+LAYER_FIELDS = (
+    "hidden_size",
+    "intermediate_size",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+    "rms_norm_eps",
+    "rope_theta",
+    "max_position_embeddings",
+    "rope_scaling",
+)
+
+
+def save(model: DFlash, out: Path, rows: list[dict]) -> None:
+    with atomic_path(out, directory=True) as tmp:
+        write_json(tmp / CONFIG, model.cfg.to_dict())
+        state = {k: t.detach().cpu().contiguous() for k, t in model.state_dict().items()}
+        del state["embed_tokens.weight"]
+        save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        buf = io.StringIO()
+        w = csv.writer(buf)
+        w.writerow(
+            [
+                "step",
+                "loss",
+                "lr",
+                "grad_norm",
+                *[f"acc_{k}" for k in range(1, model.cfg.block_size)],
+            ]
+        )
+        for r in rows:
+            w.writerow(
+                [
+                    r["step"],
+                    f"{r['loss']:.6g}",
+                    f"{r['lr']:.6g}",
+                    f"{r['grad_norm']:.6g}",
+                    *(f"{a:.4f}" for a in r["acc"]),
+                ]
+            )
+        write_text(tmp / "metrics.csv", buf.getvalue())
+
+
+def load(folder: Path, embed: torch.Tensor | None = None) -> DFlash:
+    """A trained DFlash folder back as the module (fp32), the target's embeddings given apart."""
+    model = DFlash(DFlashConfig.from_dict(read_json(Path(folder) / CONFIG)))
+    state = load_file(str(Path(folder) / "model.safetensors"))
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    if set(missing) != {"embed_tokens.weight"} or unexpected:
+        raise EagletError(
+            f"{folder}: not a DFlash drafter (missing {missing}, unexpected {unexpected})"
+        )
+    if embed is not None:
+        model.embed_tokens.weight.data.copy_(embed)
+    return model.eval()
