@@ -16,8 +16,8 @@ from eaglet.model.dflash.train import Hyper, fit, init
 from eaglet.params import load
 from eaglet.stages import drafter_data, export_dflash, train_dflash
 
-from .conftest import tiny_params, write_params
-from .hidden_fixture import TINY, MemoryReader, bundle
+from ..conftest import tiny_params, write_params
+from ..hidden_fixture import TINY, MemoryReader, bundle
 
 
 def test_eagle3_keys_unchanged_and_dflash_keyed(project):

@@ -26,7 +26,7 @@ from eaglet.model.dflash.loss import (
 )
 from eaglet.model.dflash.model import DFlash
 
-from .hidden_fixture import TINY, tiny_llama
+from ...hidden_fixture import TINY, tiny_llama
 
 BLOCK = 4
 MASK = 5  # a row of the tiny target's embedding; its random weights never make it special
