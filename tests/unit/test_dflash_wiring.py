@@ -66,6 +66,30 @@ def test_bad_dflash_params_are_one_line_naming_the_field(project, section, field
     assert "\n" not in message and f"dflash.{field}" in message and says in message, message
 
 
+@pytest.mark.parametrize(
+    ("change", "field"),
+    [
+        ({"datasets": {"sg": 2, "dolly": 1}}, "datasets"),
+        ({"train": {"phases": [{"epochs": 1}]}}, "train.phases"),
+        ({"train": {"select": {"by": "offline_acceptance"}}}, "train.select"),
+        ({"train": {"grad_accum": 2}}, "train.grad_accum"),
+    ],
+)
+def test_what_the_dflash_trainer_does_not_do_is_refused_naming_the_field(project, change, field):
+    """Weights, phases, selection and accumulation are EAGLE-3's trainer's: a DFlash drafter
+    asking for them is refused, not trained without them."""
+    data = tiny_params()
+    d = data["drafters"]["d"]
+    d |= {"method": "dflash", "dflash": {"mask_token_id": 16}}
+    d["datasets"] = change.get("datasets", d["datasets"])
+    d["train"] |= change.get("train", {})
+    with pytest.raises(EagletError) as e:
+        Keys(load(write_params(project, data))).key("train", "d")
+    message = str(e.value)
+    assert "\n" not in message and f"drafters.d.{field}:" in message, message
+    assert "method dflash" in message
+
+
 def test_the_mask_token_must_not_be_in_the_answers():
     data = [{"input_ids": torch.tensor([5, 7, 9]), "loss_mask": torch.tensor([0, 1, 1]).bool()}]
     train_dflash.check_mask_token(data, 5, "p: drafters.d.dflash")  # in the prompt only: fine

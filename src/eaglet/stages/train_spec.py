@@ -59,6 +59,7 @@ def spec_of(keys: Keys, drafter: str) -> tuple[TrainSpec, dict]:
     if d["method"] == "dflash":  # only then: an eagle3 drafter's key is that of before
         section = f"{p.path}: drafters.{drafter}.dflash"
         stored = hidden_spec.layer_ids(keys, p.data["hidden"])
+        refuse_unsupported(train, f"{p.path}: drafters.{drafter}")
         train["method"] = "dflash"
         train["dflash"] = dflash_spec.resolve(d.get("dflash", {}), text, stored, section, where)
     spec = TrainSpec(
@@ -70,6 +71,28 @@ def spec_of(keys: Keys, drafter: str) -> tuple[TrainSpec, dict]:
     )
     upstream = {"vocab": keys.key("vocab", drafter), "hidden": keys.dataset_keys("hidden", drafter)}
     return spec, upstream
+
+
+# What the DFlash trainer (eaglet.stages.train_dflash) does not do yet: refused by name rather
+# than silently trained without.
+DFLASH_UNSUPPORTED = {
+    "mixture": ("datasets", "weighted datasets"),
+    "phases": ("train.phases", "training phases"),
+    "select": ("train.select", "checkpoint selection"),
+    "init_from": ("train.init_from", "a warm start"),
+}
+
+
+def refuse_unsupported(train: dict, where: str) -> None:
+    for key, (field, what) in DFLASH_UNSUPPORTED.items():
+        if key in train:
+            raise EagletError(f"{where}.{field}: {what} is not supported with method dflash yet")
+    for field in ("processes", "grad_accum"):
+        if train.get(field, 1) > 1:
+            raise EagletError(
+                f"{where}.train.{field}: {train[field]}; method dflash trains in one process "
+                "without accumulation yet"
+            )
 
 
 def warm_digest(folder: Path, where: str) -> dict:
