@@ -190,7 +190,7 @@ def test_a_killed_trainer_reads_as_stopped_and_a_second_trainer_is_refused(built
 def test_a_full_disk_during_export_publishes_nothing_and_the_rerun_is_identical(built, disk):
     root, keys, ref = built
     out = keys.path("vllm", "d")
-    folder = disk(out.parent, "64m")
+    folder = disk(out.parent, str(2 * sum(map(len, ref["vllm"].values())) + (4 << 20)))
     ballast = fill(folder, leave=256 << 10)  # room for the lock and config.json, not the model
     last = failed(eaglet(root, "export", "d", "--to", "vllm"))
     assert last.startswith(f"eaglet: error: {out}: {NO_SPACE}; nothing of it was published")
@@ -243,3 +243,48 @@ def test_gc_removes_what_a_killed_export_left_and_nothing_published(built):
     assert files(out) == ref["vllm"]  # the published export stays
     assert "up to date" in status_row(root, "vllm", "d")
     assert json.loads((out / "config.json").read_text())
+
+
+WRITERS = """
+import resource, signal, sys
+from pathlib import Path
+import torch
+from safetensors.torch import save_file
+from eaglet.formats.atomic import WriteFailed, atomic_path
+from eaglet.formats.io import write_jsonl_zst
+
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit: EFBIG, not a signal
+resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 16, 1 << 16))
+big = {"x": torch.zeros(1 << 16)}
+folder = Path(sys.argv[1])
+writers = {
+    "safetensors": lambda tmp: save_file(big, str(tmp)),
+    "torch": lambda tmp: torch.save(big, tmp),
+    "jsonl": None,
+}
+for name, write in writers.items():
+    try:
+        if write is None:
+            write_jsonl_zst(folder / name, ({"i": i, "r": str(i) * 50} for i in range(50000)))
+        else:
+            with atomic_path(folder / name) as tmp:
+                write(tmp)
+        print(name, "written")
+    except WriteFailed as e:
+        print(name, e)
+"""
+
+
+def test_a_file_size_limit_is_a_refused_write_for_every_writer(tmp_path):
+    """RLIMIT_FSIZE (EFBIG) on safetensors', torch's and eaglet's own writers: each is one
+    WriteFailed naming the file; no temporary is left."""
+    env = dict(os.environ, PYTHONPATH=str(ROOT / "src"))
+    r = subprocess.run(
+        [sys.executable, "-c", WRITERS, str(tmp_path)], env=env, capture_output=True, text=True
+    )
+    assert r.returncode == 0, r.stderr
+    lines = r.stdout.splitlines()
+    assert lines[0] == f"safetensors {tmp_path}/safetensors: cannot write (File too large)"
+    assert lines[1] == f"torch {tmp_path}/torch: cannot write (file write failed)"  # no errno
+    assert lines[2] == f"jsonl {tmp_path}/jsonl: cannot write (File too large)"
+    assert os.listdir(tmp_path) == []

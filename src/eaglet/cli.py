@@ -424,7 +424,8 @@ def _refused(e: Exception) -> int:
     reason = write_failure(e, Path.cwd())
     if reason is None:
         raise e
-    print(f"eaglet: error: cannot write ({reason}): free space, then rerun", file=sys.stderr)
+    fix = "make it writable" if "read-only" in reason.lower() else "free space"
+    print(f"eaglet: error: cannot write ({reason}): {fix}, then rerun", file=sys.stderr)
     return 2
 
 

@@ -266,11 +266,15 @@ class Store:
     def lock(self, name: str) -> Iterator[None]:
         """Hold `name` (a dataset) for this process: a second holder is refused, naming the
         first; the OS drops the lock when its holder exits, kill -9 included."""
+        held = contextlib.ExitStack()
         try:
-            with locks.hold(self.path.parent / "locks" / f"{name}.lock", f"eaglet generate {name}"):
-                yield
+            held.enter_context(
+                locks.hold(self.path.parent / "locks" / f"{name}.lock", f"eaglet generate {name}")
+            )
         except locks.Locked as e:
             raise Locked(f"{name}: another eaglet generate is running ({e})") from None
+        with held:
+            yield
 
     def put(self, key: str, backend: str, result: dict) -> None:
         """Commit one outcome: an answer (`result` without "error") or a failure after retries,

@@ -13,6 +13,7 @@ versions honest against the kernels' digests.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import importlib
 import os
@@ -256,13 +257,14 @@ def build(stage: str, params: Params, name: str, out: Path | None = None, **opti
     spec, setup = resolve_stage(stage, params, name, **options)
     path = Path(out) if out else Keys(params).path(stage, name)
     command = COMMANDS[stage].format(name)
-    if os.environ.get("RANK", "0") != "0":
+    held = contextlib.ExitStack()
+    if os.environ.get("RANK", "0") == "0":
+        try:
+            held.enter_context(locks.hold(lock_of(path), command))
+        except locks.Locked as e:
+            verb = command.split()[1]
+            raise EagletError(
+                f"{stage} {name}: another eaglet {verb} is running ({e}); wait for it or stop it"
+            ) from None
+    with held:
         return stage_module(stage).run(spec, setup, path)
-    try:
-        with locks.hold(lock_of(path), command):
-            return stage_module(stage).run(spec, setup, path)
-    except locks.Locked as e:
-        verb = command.split()[1]
-        raise EagletError(
-            f"{stage} {name}: another eaglet {verb} is running ({e}); wait for it or stop it"
-        ) from None
