@@ -167,7 +167,7 @@ def _next(path, partial: dict, command: str) -> str:
     if alive is None:
         alive = time.time() - partial["updated"] < RUN_FRESH_S
     if alive:
-        return "running" if who is None else f"running (pid {who.pid})"
+        return f"running (pid {who.pid})"
     gone = f" (pid {who.pid} is gone)" if who is not None else ""
     return f"interrupted{gone}; continue: {command}"
 
