@@ -8,8 +8,9 @@ import time
 
 import pytest
 
+from eaglet import locks
 from eaglet.formats.io import read_jsonl, write_json
-from eaglet.graph.keys import Keys, build
+from eaglet.graph.keys import Keys, build, lock_of
 from eaglet.model.target import SMOLLM2, load_tokenizer, resolve
 from eaglet.params import load
 from eaglet.reports import status
@@ -256,14 +257,15 @@ def test_a_running_training_shows_its_step_loss_and_eta(project):
     log = project / "logs" / "train" / "d" / f"{path.name}.log"  # the rule's, under Snakemake
     log.parent.mkdir(parents=True)
     log.write_text("train: 15/40 (38%)\n")
-    row = next(r for r in status.collect(params) if r["stage"] == "train")
-    assert row["state"] == "partial" and row["next"] == "running"
+    with locks.hold(lock_of(path), "eaglet train d"):  # as graph.keys.build holds it
+        row = next(r for r in status.collect(params) if r["stage"] == "train")
+    assert row["state"] == "partial" and row["next"] == f"running (pid {os.getpid()})"
     assert row["log"] == os.path.relpath(log)
     beat = row["partial"]["progress"]
     assert (beat["done"], beat["total"], beat["unit"], beat["loss"]) == (15, 40, "step", 2.3456)
     assert beat["eta_s"] == pytest.approx(25 / beat["rate"])  # 5 steps done here, 25 to go
     line = status._summary(row)
     assert line.startswith("15/40 step, ") and "ETA " in line and "loss 2.346" in line
-    assert line.endswith(f"; running; log: {os.path.relpath(log)}")
+    assert line.endswith(f"; running (pid {os.getpid()}); log: {os.path.relpath(log)}")
     progress.close()  # the beacon goes with the run
     assert not (work / BEACON).exists()

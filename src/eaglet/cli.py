@@ -39,15 +39,28 @@ def _checked(args: argparse.Namespace, stage: str):
     return params
 
 
-def cmd_prompts(args: argparse.Namespace) -> None:
-    from eaglet.graph.keys import build
+def build(stage: str, params, name: str, out: Path | None = None, **opts):
+    """graph.keys.build; a write the filesystem refused also says what the build kept for the
+    rerun (shards, a checkpoint) and how to go on."""
+    from eaglet.formats.atomic import WriteFailed
+    from eaglet.graph import keys
 
+    try:
+        return keys.build(stage, params, name, out=out, **opts)
+    except WriteFailed as e:
+        from eaglet.reports.status import kept
+
+        path = Path(out) if out else keys.Keys(params).path(stage, name)
+        fix = "make it writable" if "read-only" in e.reason.lower() else "free space"
+        rerun = keys.COMMANDS[stage].format(name)
+        raise e.keeping(f"{kept(path, stage)}; {fix}, then rerun: {rerun}") from None
+
+
+def cmd_prompts(args: argparse.Namespace) -> None:
     print(build("prompts", _checked(args, "prompts"), args.dataset, out=args.out))
 
 
 def cmd_generate(args: argparse.Namespace) -> None:
-    from eaglet.graph.keys import build
-
     params = _checked(args, "responses")
     if args.dry_run:
         from eaglet.stages import preflight
@@ -60,8 +73,6 @@ def cmd_generate(args: argparse.Namespace) -> None:
 
 def cmd_hidden(args: argparse.Namespace) -> None:
     import json
-
-    from eaglet.graph.keys import build
 
     params = _checked(args, "hidden")
     if args.verify:
@@ -77,14 +88,10 @@ def cmd_hidden(args: argparse.Namespace) -> None:
 
 
 def cmd_vocab(args: argparse.Namespace) -> None:
-    from eaglet.graph.keys import build
-
     print(build("vocab", _checked(args, "vocab"), args.drafter, out=args.out))
 
 
 def cmd_train(args: argparse.Namespace) -> None:
-    from eaglet.graph.keys import build
-
     params = _checked(args, "train")
     opts = {"threads": args.threads, "quiet": args.quiet}
     out = build("train", params, args.drafter, out=args.out, **opts)
@@ -93,8 +100,6 @@ def cmd_train(args: argparse.Namespace) -> None:
 
 
 def cmd_evaluate(args: argparse.Namespace) -> None:
-    from eaglet.graph.keys import build
-
     params = _checked(args, "evaluate")
     opts = {"threads": args.threads, "quiet": args.quiet}
     out = build("evaluate", params, args.drafter, out=args.out, **opts)
@@ -102,8 +107,6 @@ def cmd_evaluate(args: argparse.Namespace) -> None:
 
 
 def cmd_export(args: argparse.Namespace) -> None:
-    from eaglet.graph.keys import build
-
     out, command = build(args.to, _checked(args, args.to), args.drafter, out=args.out)
     print(f"eaglet: {args.to} export validated; serve with:\n  {command}", file=sys.stderr)
     print(out)
@@ -413,6 +416,19 @@ def _graph_commands(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(fn=cmd_path)
 
 
+def _refused(e: Exception) -> int:
+    """A write the filesystem refused where no eaglet write named its file: one line, exit 2;
+    any other error is a bug, with its traceback."""
+    from eaglet.formats.atomic import write_failure
+
+    reason = write_failure(e, Path.cwd())
+    if reason is None:
+        raise e
+    fix = "make it writable" if "read-only" in reason.lower() else "free space"
+    print(f"eaglet: error: cannot write ({reason}): {fix}, then rerun", file=sys.stderr)
+    return 2
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
     try:
@@ -422,10 +438,12 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     except OSError as e:  # a read-only or full filesystem, a path that is not a folder ...
         if e.filename is None:
-            raise
+            return _refused(e)
         where = f"{e.filename} -> {e.filename2}" if e.filename2 else e.filename
         print(f"eaglet: error: {where}: {e.strerror or e}", file=sys.stderr)
         return 2
+    except Exception as e:  # safetensors', torch's wrappers of a refused write
+        return _refused(e)
     except KeyboardInterrupt:
         print("eaglet: interrupted", file=sys.stderr)
         return 130

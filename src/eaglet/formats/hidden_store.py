@@ -38,7 +38,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from eaglet.errors import EagletError
-from eaglet.formats.atomic import atomic_path
+from eaglet.formats.atomic import atomic_path, writing
 from eaglet.formats.io import write_json
 
 FORMAT = "eaglet-hidden/1"
@@ -234,7 +234,8 @@ class PartialDir:
         return [json.loads(line) for line in data[:end].splitlines() if line.strip()]
 
     def _append(self, entry: dict) -> None:
-        with open(self.journal, "a", encoding="utf-8") as f:
+        # a refused append leaves at most a torn last line, which _read_journal cuts off
+        with writing(self.journal), open(self.journal, "a", encoding="utf-8") as f:
             f.write(json.dumps(entry, sort_keys=True) + "\n")
             f.flush()
             os.fsync(f.fileno())

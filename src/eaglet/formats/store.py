@@ -33,6 +33,7 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+from eaglet import locks
 from eaglet.errors import EagletError
 from eaglet.formats.io import dumps
 
@@ -265,27 +266,15 @@ class Store:
     def lock(self, name: str) -> Iterator[None]:
         """Hold `name` (a dataset) for this process: a second holder is refused, naming the
         first; the OS drops the lock when its holder exits, kill -9 included."""
-        import fcntl
-
-        folder = self.path.parent / "locks"
-        folder.mkdir(parents=True, exist_ok=True)
-        path = folder / f"{name}.lock"
-        with open(path, "a+") as f:
-            try:
-                fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                f.seek(0)
-                holder = f.read().strip() or "another process"
-                raise Locked(f"{name}: another eaglet generate is running ({holder})") from None
-            f.seek(0)
-            f.truncate()
-            when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime())
-            f.write(f"pid {os.getpid()} on {socket.gethostname()}, since {when}")
-            f.flush()
-            try:
-                yield
-            finally:
-                fcntl.flock(f, fcntl.LOCK_UN)
+        held = contextlib.ExitStack()
+        try:
+            held.enter_context(
+                locks.hold(self.path.parent / "locks" / f"{name}.lock", f"eaglet generate {name}")
+            )
+        except locks.Locked as e:
+            raise Locked(f"{name}: another eaglet generate is running ({e})") from None
+        with held:
+            yield
 
     def put(self, key: str, backend: str, result: dict) -> None:
         """Commit one outcome: an answer (`result` without "error") or a failure after retries,
@@ -391,7 +380,7 @@ class Store:
         if row is None:
             return None
         host, pid, started, updated, state, progress = row
-        alive = state == "running" and host == socket.gethostname() and _pid_alive(pid)
+        alive = state == "running" and host == socket.gethostname() and locks.pid_alive(pid)
         return {
             "pid": pid,
             "started": started,
@@ -424,13 +413,3 @@ class StoreError(EagletError):
 
 class Locked(Exception):
     """The dataset is held by another generation."""
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True

@@ -9,19 +9,24 @@ by code: it was built by another version of eaglet (the "old copy on the remote 
 
 from __future__ import annotations
 
+import contextlib
 import re
 import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from eaglet import locks
 from eaglet.errors import AwaitedFile
 from eaglet.formats.io import read_json
-from eaglet.graph.keys import STAGES, Keys
+from eaglet.graph.keys import STAGES, Keys, lock_of
 
 KEY_RE = re.compile(r"^[0-9a-f]{12}$")
 # what an interrupted build leaves: hidden's `.<key>.partial/`, train's `.<key>.work/`, atomic
-# writes' `.<key><ext>.tmp-*`; the current key's are kept (a rerun resumes from them)
-LEFTOVER_RE = re.compile(r"^\.(?P<key>[0-9a-f]{12})[^/]*\.(partial|work|tmp-[^/]*)$")
+# writes' `.<key><ext>.tmp-*`, a killed build's lock `.<key><ext>.lock`; the current key's
+# partial and work folders are kept (a rerun resumes from them), its temporaries and lock are
+# not (no rerun reads them) unless a build of that key runs
+LEFTOVER_RE = re.compile(r"^\.(?P<key>[0-9a-f]{12})[^/]*\.(?P<what>partial|work|lock|tmp-[^/]*)$")
+RESUMED = ("partial", "work")
 CACHE_RE = re.compile(r"^(?P<key>[0-9a-f]{12})\.cache$")  # hidden.mode hybrid's states
 
 
@@ -89,26 +94,43 @@ def scan(keys: Keys) -> list[Artifact]:
 
 
 def _leftovers(stage: str, name: str, folder: Path, current: str) -> list[Artifact]:
-    """What interrupted builds of other keys left, and hybrid caches (`<key>.cache/`, beside
-    a hidden directory) of other keys; neither has a sidecar."""
+    """What interrupted builds left (of other keys; of the current key, what no rerun reads),
+    and hybrid caches (`<key>.cache/`, beside a hidden directory) of other keys; none has a
+    sidecar."""
     found = []
     for pattern, state in ((LEFTOVER_RE, "unfinished"), (CACHE_RE, "cache")):
         for left in sorted(folder.iterdir()):
             m = pattern.match(left.name)
-            if m and m["key"] != current:
+            resumed = state == "cache" or (m and m["what"] in RESUMED)
+            if m and (m["key"] != current or not resumed):
                 nothing = left.with_name(f"{left.name}.json")
                 found.append(Artifact(stage, name, m["key"], left, nothing, state))
     return found
 
 
+def _lock(a: Artifact) -> Path:
+    """The lock a build of `a`'s key holds (graph.keys.build)."""
+    ext = STAGES[a.stage].ext
+    return lock_of(a.path.parent / (a.key if ext == "/" else f"{a.key}{ext}"))
+
+
+def _building(a: Artifact) -> bool:
+    """A build of `a`'s key runs now (here, or on another host: not known to have died)."""
+    who = locks.holder(_lock(a))
+    return who is not None and who.alive() is not False
+
+
 def gc(keys: Keys, dry_run: bool = False) -> list[Artifact]:
-    """Remove every non-current artifact (the DVC cache keeps what was added); return them."""
-    doomed = [a for a in scan(keys) if a.state != "current"]
+    """Remove every non-current artifact (the DVC cache keeps what was added) and what killed
+    builds left; return them. Nothing a running build uses: each key's removal holds its
+    build's lock, and a key being built is passed over."""
+    doomed = [a for a in scan(keys) if a.state != "current" and not _building(a)]
     if not dry_run:
         for a in doomed:
-            if a.path.is_dir():
-                shutil.rmtree(a.path)
-            elif a.path.exists():
-                a.path.unlink()
-            a.sidecar.unlink(missing_ok=True)
+            with contextlib.suppress(locks.Locked), locks.hold(_lock(a), "eaglet gc"):
+                if a.path.is_dir():
+                    shutil.rmtree(a.path)
+                elif a.path.exists():
+                    a.path.unlink()
+                a.sidecar.unlink(missing_ok=True)
     return doomed

@@ -13,15 +13,17 @@ versions honest against the kernels' digests.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import importlib
+import os
 from dataclasses import asdict, dataclass
 from functools import cached_property
 from pathlib import Path
 from types import ModuleType
 from typing import Any, Generic, TypeVar
 
-from eaglet import __version__
+from eaglet import __version__, locks
 from eaglet.errors import EagletError
 from eaglet.formats.hashing import file_digest
 from eaglet.formats.io import dumps
@@ -228,10 +230,41 @@ def resolve_stage(stage: str, params: Params, name: str, **options: Any) -> tupl
     return spec, stage_module(stage).setup(keys, spec, **options)
 
 
+# the command that builds (or continues) each stage's artifact of a name
+COMMANDS = {
+    "prompts": "eaglet prompts {}",
+    "responses": "eaglet generate {}",
+    "hidden": "eaglet hidden {}",
+    "vocab": "eaglet vocab {}",
+    "train": "eaglet train {}",
+    "evaluate": "eaglet evaluate {}",
+    "sglang": "eaglet export {} --to sglang",
+    "vllm": "eaglet export {} --to vllm",
+}
+
+
+def lock_of(artifact: Path) -> Path:
+    """The lock its build holds: `.<key><ext>.lock` beside the artifact (eaglet.locks)."""
+    artifact = Path(artifact)
+    return artifact.parent / f".{artifact.name}.lock"
+
+
 def build(stage: str, params: Params, name: str, out: Path | None = None, **options: Any) -> Any:
     """Build one artifact of `stage` for dataset or drafter `name` at its keyed path (or `out`)
-    and return what the stage's run returns (the path)."""
+    and return what the stage's run returns (the path). One build of an artifact at a time: a
+    second is refused, naming the first (under torchrun, rank 0 holds it for all)."""
     check_code(stage)  # an edited kernel whose version stayed stops here
     spec, setup = resolve_stage(stage, params, name, **options)
     path = Path(out) if out else Keys(params).path(stage, name)
-    return stage_module(stage).run(spec, setup, path)
+    command = COMMANDS[stage].format(name)
+    held = contextlib.ExitStack()
+    if os.environ.get("RANK", "0") == "0":
+        try:
+            held.enter_context(locks.hold(lock_of(path), command))
+        except locks.Locked as e:
+            verb = command.split()[1]
+            raise EagletError(
+                f"{stage} {name}: another eaglet {verb} is running ({e}); wait for it or stop it"
+            ) from None
+    with held:
+        return stage_module(stage).run(spec, setup, path)

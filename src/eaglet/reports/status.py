@@ -20,11 +20,12 @@ import os
 import re
 import time
 
+from eaglet import locks
 from eaglet.errors import AwaitedFile
 from eaglet.formats.io import read_json
 from eaglet.formats.store import Store, store_path
 from eaglet.graph.artifacts import KEY_RE
-from eaglet.graph.keys import STAGES, Keys, sidecar_of
+from eaglet.graph.keys import COMMANDS, STAGES, Keys, lock_of, sidecar_of
 from eaglet.params import Params
 from eaglet.progress import BEACON
 from eaglet.reports.compare import _changed, _flat
@@ -125,18 +126,6 @@ def generation(params: Params, dataset: str, keys: Keys, store: Store | None) ->
     }
 
 
-COMMANDS = {
-    "prompts": "eaglet prompts {}",
-    "responses": "eaglet generate {}",
-    "hidden": "eaglet hidden {}",
-    "vocab": "eaglet vocab {}",
-    "train": "eaglet train {}",
-    "evaluate": "eaglet evaluate {}",
-    "sglang": "eaglet export {} --to sglang",
-    "vllm": "eaglet export {} --to vllm",
-}
-
-
 def _partial(path, stage: str) -> dict | None:
     """How far an unfinished build of `path` got: hidden shards journaled, training's step, and
     the running build's beacon (done, rate, tokens/s, ETA; training's loss)."""
@@ -166,6 +155,35 @@ def _journaled(path, stage: str, folder) -> dict | None:
         if (work / "checkpoint.pt").is_file():
             return {"updated": (work / "checkpoint.pt").stat().st_mtime}
     return None
+
+
+def _next(path, partial: dict, command: str) -> str:
+    """Running, or stopped with the command that continues it. A build holds its artifact's
+    lock (graph.keys.build) and removes it when it ends: a lock whose process is gone is a
+    killed build, no lock a build that ended. Only a holder on another host (a shared folder)
+    is judged by how fresh its files are."""
+    who = locks.holder(lock_of(path))
+    alive = who.alive() if who is not None else False
+    if alive is None:
+        alive = time.time() - partial["updated"] < RUN_FRESH_S
+    if alive:
+        return f"running (pid {who.pid})"
+    gone = f" (pid {who.pid} is gone)" if who is not None else ""
+    return f"interrupted{gone}; continue: {command}"
+
+
+def kept(path, stage: str) -> str:
+    """What an unfinished build of `path` left for a rerun to continue from, in words."""
+    if stage == "responses":
+        return "every answer received stays in the response store"
+    partial = _partial(path, stage) or {}
+    suffix = "partial" if stage == "hidden" else "work"
+    folder = os.path.relpath(path.parent / f".{path.name}.{suffix}")
+    if "shards" in partial:
+        return f"{partial['shards']} shards kept in {folder}"
+    if "step" in partial:
+        return f"the checkpoint at step {partial['step']} kept in {folder}"
+    return "nothing of it was published"
 
 
 def _damage(path, stage: str) -> str | None:
@@ -199,8 +217,7 @@ def _row(params: Params, keys: Keys, store, kind: str, name: str, stage: str) ->
     command = COMMANDS[stage].format(name)
     if row["state"] != "up to date" and (partial := _partial(path, stage)):
         row["state"], row["partial"] = "partial", partial
-        fresh = time.time() - partial["updated"] < RUN_FRESH_S
-        row["next"] = "running" if fresh else f"interrupted; continue: {command}"
+        row["next"] = _next(path, partial, command)
     elif row["state"] == "up to date" and (damage := _damage(path, stage)):
         row["state"], row["damage"] = "damaged", damage
         row["next"] = f"rebuild: rm -r {row['path']} && {command}"
