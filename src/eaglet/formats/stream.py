@@ -37,7 +37,7 @@ class RoundTripError(EagletError):
 
 class Unwritable(EagletError):
     """An answer whose text cannot be written as the target's stream (text holding one of the
-    grammar's markers, reasoning in a mode without it): one record, skipped with this reason."""
+    grammar's markers): one record, skipped with this reason."""
 
 
 def added_ids(tokenizer: Any) -> dict[int, str]:
@@ -178,10 +178,11 @@ class Writer:
         mode = rec.get("chat_template_kwargs")
         prompt = render(self.tokenizer, rec["messages"], rec.get("tools"), prompt=True, mode=mode)
         answer = Answer.of(rec)
-        try:
+        try:  # an answer the grammar has no syntax for: the backend serves another model or
+            # mode, which every record would show, so the stage stops
             pieces = self.grammar.pieces(prompt, answer, mode)
         except GrammarError as e:
-            raise Unwritable(f"{self.grammar.name} grammar: {e}") from None
+            raise EagletError(f"response {rec['id']}: {self.grammar.name} grammar: {e}") from None
         markers, added = self.marker_ids(), added_ids(self.tokenizer)
         ids: list[int] = []
         for field, text in pieces:
