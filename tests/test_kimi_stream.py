@@ -15,6 +15,7 @@ model emitted, and read back through vLLM's own kimi_k2 parsers in the mode the 
 from __future__ import annotations
 
 import json
+import re
 import shutil
 
 import pytest
@@ -346,3 +347,78 @@ def test_status_names_why_the_responses_stage_stopped(kimi, tok, project, monkey
     )
     assert f"worst record {hi['id']}" in line
     assert not sidecar_of(keys.path("responses", "chat")).exists()
+
+
+@pytest.mark.parametrize(
+    ("field", "pieces", "answer"),
+    [
+        (
+            "reasoning",
+            [Plain("Is </think> a tag?"), "</think>", "Yes.<|im_end|>"],
+            Answer("Is </think> a tag?", "Yes."),
+        ),
+        (
+            "tool_calls[0].arguments",
+            [
+                "Parse it.</think><|tool_calls_section_begin|><|tool_call_begin|>functions.grep:0"
+                "<|tool_call_argument_begin|>",
+                Plain('{"pattern": "</think>"}'),
+                "<|tool_call_end|><|tool_calls_section_end|><|im_end|>",
+            ],
+            None,
+        ),
+    ],
+)
+def test_marker_text_in_reasoning_or_arguments_is_named_or_kept(tok, field, pieces, answer):
+    """A plain `</think>` in the reasoning or in a call's arguments: skipped naming the field,
+    or (keep) stored as exactly the tokens the model emitted."""
+    from eaglet.formats.grammar import Call
+    from eaglet.formats.stream import Unwritable
+
+    if answer is None:
+        answer = Answer("Parse it.", "", (Call("functions.grep:0", "grep", pieces[1]),))
+    rec = {
+        "id": "r",
+        "messages": [{"role": "user", "content": "Tags?"}],
+        "reasoning": answer.reasoning,
+        "response": answer.content,
+        "finish_reason": "stop",
+    }
+    if answer.calls:
+        c = answer.calls[0]
+        rec["tool_calls"] = [
+            {"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
+        ]
+    with pytest.raises(Unwritable, match=rf"^{re.escape(field)} holds the text '</think>'"):
+        Writer(tok, grammar("kimi_k2")).output_ids(rec)
+    kept = Writer(tok, grammar("kimi_k2"), keep_marker_text=True).output_ids(rec)
+    assert kept == stream_ids(tok, pieces)
+
+
+def test_trajectory_ids_kimi_wrote_are_kept_and_foreign_ones_renamed():
+    """A trajectory with Kimi's own ids numbered its way (3, then 7) keeps them, results
+    following; a foreign id beside them becomes Kimi's form, counted over the conversation."""
+    from eaglet.formats.grammar import rename_calls
+
+    def call(cid: str, name: str) -> dict:
+        return {"id": cid, "type": "function", "function": {"name": name, "arguments": "{}"}}
+
+    messages = [
+        {"role": "user", "content": "go"},
+        {"role": "assistant", "content": "", "tool_calls": [call("functions.ls:3", "ls")]},
+        {"role": "tool", "tool_call_id": "functions.ls:3", "content": "a"},
+        {
+            "role": "assistant",
+            "content": "",
+            "tool_calls": [call("functions.cat:7", "cat"), call("call_x", "cat")],
+        },
+        {"role": "tool", "tool_call_id": "functions.cat:7", "content": "b"},
+        {"role": "tool", "tool_call_id": "call_x", "content": "c"},
+    ]
+    out = rename_calls(messages, grammar("kimi_k2"))
+    ids = [c["id"] for m in out for c in m.get("tool_calls") or ()]
+    assert ids == ["functions.ls:3", "functions.cat:7", "functions.cat:2"]
+    assert [m["tool_call_id"] for m in out if m["role"] == "tool"] == ids
+    # a Kimi-form id naming another function is foreign: vLLM would read that other name
+    wrong = [messages[0], {**messages[1], "tool_calls": [call("functions.rm:0", "ls")]}]
+    assert rename_calls(wrong, grammar("kimi_k2"))[1]["tool_calls"][0]["id"] == "functions.ls:0"
