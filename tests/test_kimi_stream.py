@@ -422,3 +422,31 @@ def test_trajectory_ids_kimi_wrote_are_kept_and_foreign_ones_renamed():
     # a Kimi-form id naming another function is foreign: vLLM would read that other name
     wrong = [messages[0], {**messages[1], "tool_calls": [call("functions.rm:0", "ls")]}]
     assert rename_calls(wrong, grammar("kimi_k2"))[1]["tool_calls"][0]["id"] == "functions.ls:0"
+
+
+# a Kimi-K2-Instruct-like template: no `<think>` anywhere, the target never reasons
+INSTRUCT = (
+    "{% for m in messages %}<|im_user|>user<|im_middle|>{{ m['content'] }}<|im_end|>"
+    "{% endfor %}{% if add_generation_prompt %}<|im_assistant|>assistant<|im_middle|>{% endif %}"
+)
+
+
+def test_a_template_that_never_thinks_writes_no_think_pair(kimi, tmp_path):
+    """The same `<|im_middle|>` prompt ending as K2-Thinking's, but a template that never writes
+    `<think>`: the target's mode is instant, so an answer without reasoning is the content and
+    `<|im_end|>`, and vLLM's parser in instant mode reads it back."""
+    target = tmp_path / "instruct"
+    shutil.copytree(kimi, target)
+    (target / "chat_template.jinja").write_text(INSTRUCT)
+    tok = load_tokenizer(resolve(str(target), trust=True))
+    rec = {
+        "id": "i",
+        "messages": [{"role": "user", "content": "Greet me."}],
+        "response": "Hi there!",
+        "reasoning": "",
+        "finish_reason": "stop",
+    }
+    ids = Writer(tok, grammar("kimi_k2")).output_ids(rec)
+    assert ids == stream_ids(tok, "Hi there!<|im_end|>")
+    got = _read_back(tok, {"output_ids": ids}, thinking=False)
+    assert agrees(got, Answer.of(rec)) is None

@@ -72,6 +72,7 @@ class Grammar:
     reasoning_parser: str | None = None  # the serving engine's (vLLM's) parsers of this grammar
     tool_parser: str | None = None
     thinks = False  # the mode its serving parsers run in when nothing says otherwise
+    opens = ""  # the marker that opens reasoning: a template that never writes it never thinks
 
     def call_id(self, name: str, index: int, given: str) -> str:
         """The id the target writes for the `index`-th call (0-based, counted over the whole
@@ -131,6 +132,7 @@ class KimiK2(Grammar):
     markers = (THINK, END_THINK, SECTION, SECTION_END, CALL, ARGS, CALL_END, "<|im_end|>")
     reasoning_parser = tool_parser = "kimi_k2"
     thinks = True  # vLLM's kimi_k2 parsers without a `thinking` argument read reasoning first
+    opens = THINK
 
     def call_id(self, name: str, index: int, given: str) -> str:
         """An id Kimi emitted (`functions.NAME:IDX` of this call's name) is kept as it is:

@@ -170,13 +170,23 @@ class Writer:
             self._markers = out
         return self._markers
 
+    def served(self, asked: dict | None) -> dict | None:
+        """The mode the target answers in: the template arguments asked, else, for a template
+        that never writes the grammar's opening marker (Kimi-K2-Instruct's), instant whatever
+        the parsers' default; else None (the grammar decides)."""
+        if asked is not None or not self.grammar.opens:
+            return asked
+        template = str(getattr(self.tokenizer, "chat_template", None) or "")
+        return None if self.grammar.opens in template else {"thinking": False}
+
     def output_ids(self, rec: dict) -> list[int]:
         """The tokens of a text answer (a record without the engine's ids), written in the
         target's grammar and read back. Raises Unwritable for a record that cannot be written
         as the model's stream, EagletError naming what else is wrong."""
         self.written += 1
-        mode = rec.get("chat_template_kwargs")
-        prompt = render(self.tokenizer, rec["messages"], rec.get("tools"), prompt=True, mode=mode)
+        asked = rec.get("chat_template_kwargs")
+        prompt = render(self.tokenizer, rec["messages"], rec.get("tools"), prompt=True, mode=asked)
+        mode = self.served(asked)
         answer = Answer.of(rec)
         try:  # an answer the grammar has no syntax for: the backend serves another model or
             # mode, which every record would show, so the stage stops

@@ -59,7 +59,7 @@ from eaglet.stages.turns import Conversations, Turn
 
 # The code that shapes this stage's bytes (eaglet.graph.code): bump the version when they change.
 CODE = Code(
-    version=4,
+    version=5,
     kernel=(
         "eaglet.stages.generate:rejected",
         "eaglet.stages.generate:plan_output",
