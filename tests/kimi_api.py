@@ -7,6 +7,11 @@ reasoning apart (`reasoning`, as OpenRouter names it, or `reasoning_content`, as
 API does), the content, tool calls with the provider's own ids (`call_...`, not Kimi's), and
 usage counting the stream's tokens, reasoning included. So a client that rebuilds the stream
 from the pieces can be checked token by token against what the target emitted.
+
+`ids="kimi"`: tool calls keep the id the parser reads from the stream (the header the model
+emitted), as Moonshot's API and a vLLM server do. A stream may be a list of pieces, a `Plain`
+piece being text the model wrote as ordinary tokens even where it spells a marker (`</think>`):
+the server parses the stream by its tokens, so such text reaches the answer as it is.
 """
 
 from __future__ import annotations
@@ -20,9 +25,30 @@ from typing import Any
 END = "<|im_end|>"
 
 
+class Plain(str):
+    """Text the model emitted as ordinary tokens, whatever markers it spells."""
+
+
+def stream_ids(tokenizer: Any, stream: str | list[str]) -> list[int]:
+    """The tokens of a stream: marker text as its id, `Plain` pieces as ordinary tokens."""
+    if isinstance(stream, str):
+        return tokenizer(stream, add_special_tokens=False)["input_ids"]
+    ids: list[int] = []
+    for piece in stream:
+        plain = isinstance(piece, Plain)
+        ids += tokenizer.encode(piece, allow_special_tokens=not plain)
+    return ids
+
+
 class KimiAPI:
-    def __init__(self, tokenizer: Any, streams: dict[str, str], field: str = "reasoning"):
-        self.tokenizer, self.streams, self.field = tokenizer, streams, field
+    def __init__(
+        self,
+        tokenizer: Any,
+        streams: dict[str, Any],
+        field: str = "reasoning",
+        ids: str = "provider",
+    ):
+        self.tokenizer, self.streams, self.field, self.ids = tokenizer, streams, field, ids
         self.bodies: list[dict] = []
         self.url = ""
         self._server: ThreadingHTTPServer | None = None
@@ -40,27 +66,38 @@ class KimiAPI:
         stream = self.streams[last]
         if isinstance(stream, dict):  # the stream the target emits in each mode
             stream = stream[thinking]
-        ids = self.tokenizer(stream, add_special_tokens=False)["input_ids"]
-        finished = stream.endswith(END)
+        ids = stream_ids(self.tokenizer, stream)
+        # the parsers read text: plain pieces stand aside as sentinels, so that only the
+        # tokens that are markers act as markers (as a server parsing by ids does)
+        pieces = [stream] if isinstance(stream, str) else stream
+        plain = {f"\x00{k}\x00": p for k, p in enumerate(pieces) if isinstance(p, Plain)}
+        text = "".join(
+            next((s for s, q in plain.items() if q is p), p) if isinstance(p, Plain) else p
+            for p in pieces
+        )
+        finished = text.endswith(END)
         request = ChatCompletionRequest(
             model="kimi", messages=[{"role": "user", "content": "-"}], tools=body.get("tools")
         )
         parser = KimiK2ReasoningParser(self.tokenizer, chat_template_kwargs={"thinking": thinking})
-        reasoning, content = parser.extract_reasoning(stream.removesuffix(END), request)
+        reasoning, content = parser.extract_reasoning(text.removesuffix(END), request)
         message: dict[str, Any] = {"role": "assistant", "content": content or ""}
         calls = KimiK2ToolParser(self.tokenizer).extract_tool_calls(content or "", request)
         if calls.tools_called:
             message["content"] = calls.content or None
             message["tool_calls"] = [
                 {
-                    "id": "call_" + hashlib.sha256(f"{last}{k}".encode()).hexdigest()[:8],
+                    "id": c.id
+                    if self.ids == "kimi"
+                    else "call_" + hashlib.sha256(f"{last}{k}".encode()).hexdigest()[:8],
                     "type": "function",
                     "function": {"name": c.function.name, "arguments": c.function.arguments},
                 }
                 for k, c in enumerate(calls.tool_calls)
             ]
-        if reasoning:
-            message[self.field] = reasoning
+        if thinking:  # Moonshot sends the field in thinking mode, empty when nothing was thought
+            message[self.field] = reasoning or ""
+        message = json.loads(_restore(json.dumps(message), plain))
         finish = "tool_calls" if calls.tools_called else "stop"
         return {
             "id": "gen-" + hashlib.sha256(last.encode()).hexdigest()[:12],
@@ -107,3 +144,10 @@ class KimiAPI:
         if self._server is not None:
             self._server.shutdown()
             self._server.server_close()
+
+
+def _restore(text: str, plain: dict[str, str]) -> str:
+    """JSON text with each sentinel back as the plain text it stood for."""
+    for sentinel, piece in plain.items():
+        text = text.replace(json.dumps(sentinel)[1:-1], json.dumps(piece)[1:-1])
+    return text

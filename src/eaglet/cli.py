@@ -132,6 +132,13 @@ def cmd_import_responses(args: argparse.Namespace) -> None:
             f"{d['records']} answers ({d['stored_tokens']:,} stored, {d['server_tokens']:,} "
             f"counted){worst}"
         )
+    u = s["unwritable"]
+    if u["count"]:
+        first = u["first"][0]
+        print(
+            f"{args.dataset}: {u['count']} answers cannot be written as the target's stream "
+            f"and are left out of the samples (first {first['id']}: {first['reason']})"
+        )
 
 
 def cmd_plan(args: argparse.Namespace) -> None:

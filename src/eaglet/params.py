@@ -30,6 +30,7 @@ GENERATION_KEYS = (
     "thinking",
     "thinking_fraction",
     "truncated",
+    "marker_text",
     "turns",
 )
 # The settings of a backend that change what it returns (not how fast): they enter the keys.

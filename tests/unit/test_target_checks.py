@@ -75,7 +75,16 @@ def test_every_marker_the_template_emits_must_be_one_id(kimi, tmp_path):
         del config["added_tokens_decoder"][str(TOOL_CALL_BEGIN)]
 
     splits = _copy(kimi, tmp_path / "splits", tokenizer_config=drop)
-    tok = load_tokenizer(resolve(str(splits), trust=True))  # consistent with its own files
+    # loading it stops: the template writes the marker, the class splits it (issue 53)
+    with pytest.raises(
+        EagletError,
+        match=r"chat template marker '<\|tool_call_begin\|>' encodes to \[\d+, .*"
+        r"does not list it.*target\.trust_remote_code is on",
+    ):
+        load_tokenizer(resolve(str(splits), trust=True))
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(splits), trust_remote_code=True)  # its own files
     ids = tok.encode("<|tool_call_begin|>", add_special_tokens=False)
     assert len(ids) > 1
     message = (

@@ -22,6 +22,7 @@ that read it back, registered in GRAMMARS; `tests/test_streams.py` shows what it
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass
 
 from eaglet.errors import EagletError
@@ -61,26 +62,39 @@ class Answer:
         )
 
 
+MARKER = "marker"  # the field of a piece that is one of the grammar's own tokens
+
+
 class Grammar:
     name = ""
     end = ""  # the token that ends a turn
     markers: tuple[str, ...] = ()  # tokens the grammar writes: each must be one id
     reasoning_parser: str | None = None  # the serving engine's (vLLM's) parsers of this grammar
     tool_parser: str | None = None
+    thinks = False  # the mode its serving parsers run in when nothing says otherwise
+    opens = ""  # the marker that opens reasoning: a template that never writes it never thinks
 
     def call_id(self, name: str, index: int, given: str) -> str:
         """The id the target writes for the `index`-th call (0-based, counted over the whole
         conversation) of function `name`; `given` is the dataset's or the API's."""
         return given
 
-    def thinking(self, prompt: str) -> bool:
-        """Whether the target reasons after this generation prompt."""
+    def thinking(self, prompt: str, mode: dict | None = None) -> bool:
+        """Whether the target reasons after this generation prompt, in `mode` (the template
+        arguments it is served with, `{"thinking": False}`; None: the template's default)."""
         return False
 
-    def write(self, prompt: str, answer: Answer) -> str:
+    def pieces(
+        self, prompt: str, answer: Answer, mode: dict | None = None
+    ) -> list[tuple[str, str]]:
+        """The stream as (field, text) pieces: the grammar's markers (field MARKER, each one
+        token) and the answer's text (`reasoning`, `content`, `tool_calls[k].id` ...)."""
         raise NotImplementedError
 
-    def parse(self, prompt: str, text: str) -> Answer:
+    def write(self, prompt: str, answer: Answer, mode: dict | None = None) -> str:
+        return "".join(text for _, text in self.pieces(prompt, answer, mode))
+
+    def parse(self, prompt: str, text: str, mode: dict | None = None) -> Answer:
         """eaglet's own reading of a stream (the end token stripped by the caller)."""
         raise NotImplementedError
 
@@ -90,14 +104,17 @@ class ChatML(Grammar):
     end = "<|im_end|>"
     markers = ("<|im_end|>",)
 
-    def write(self, prompt: str, answer: Answer) -> str:
+    def pieces(
+        self, prompt: str, answer: Answer, mode: dict | None = None
+    ) -> list[tuple[str, str]]:
         if answer.reasoning:
             raise GrammarError(f"the {self.name} grammar has no reasoning, the answer has some")
         if answer.calls:
             raise GrammarError(f"the {self.name} grammar has no tool-call syntax")
-        return answer.content + (self.end if answer.finished else "")
+        out = [("content", answer.content)]
+        return out + ([(MARKER, self.end)] if answer.finished else [])
 
-    def parse(self, prompt: str, text: str) -> Answer:
+    def parse(self, prompt: str, text: str, mode: dict | None = None) -> Answer:
         return Answer("", text)
 
 
@@ -106,45 +123,72 @@ SECTION, SECTION_END = "<|tool_calls_section_begin|>", "<|tool_calls_section_end
 CALL, ARGS, CALL_END = "<|tool_call_begin|>", "<|tool_call_argument_begin|>", "<|tool_call_end|>"
 
 
+KIMI_ID = re.compile(r"functions\.(.+):\d+")  # the header Kimi emits for a call
+
+
 class KimiK2(Grammar):
     name = "kimi_k2"
     end = "<|im_end|>"
     markers = (THINK, END_THINK, SECTION, SECTION_END, CALL, ARGS, CALL_END, "<|im_end|>")
     reasoning_parser = tool_parser = "kimi_k2"
+    thinks = True  # vLLM's kimi_k2 parsers without a `thinking` argument read reasoning first
+    opens = THINK
 
     def call_id(self, name: str, index: int, given: str) -> str:
+        """An id Kimi emitted (`functions.NAME:IDX` of this call's name) is kept as it is:
+        renumbering it would store a header the model did not write. Others are foreign."""
+        match = KIMI_ID.fullmatch(given)
+        if match and match.group(1) == name:
+            return given
         return f"functions.{name}:{index}"
 
-    def thinking(self, prompt: str) -> bool:
-        """K2.5 opens `<think>` in the generation prompt when thinking, closes it when not;
-        after a prompt that ends at `<|im_middle|>` (K2-Thinking) the target opens it itself,
-        which the stream shows."""
-        return prompt.endswith(THINK)
-
-    def write(self, prompt: str, answer: Answer) -> str:
-        cut_in_reasoning = not answer.finished and not answer.content and not answer.calls
-        close = "" if cut_in_reasoning else END_THINK  # a length cap can end it mid-thought
+    def thinking(self, prompt: str, mode: dict | None = None) -> bool:
+        """K2.5's generation prompt opens `<think>` when thinking and closes it when not; after
+        one that ends at `<|im_middle|>` (K2-Thinking) the target's mode decides: the
+        template's switch as served, else the mode the server's parsers run in."""
         if prompt.endswith(THINK + END_THINK):
+            return False
+        if prompt.endswith(THINK):
+            return True
+        if mode:
+            return bool(next(iter(mode.values())))
+        return self.thinks
+
+    def pieces(
+        self, prompt: str, answer: Answer, mode: dict | None = None
+    ) -> list[tuple[str, str]]:
+        cut_in_reasoning = not answer.finished and not answer.content and not answer.calls
+        close = [] if cut_in_reasoning else [(MARKER, END_THINK)]  # a length cap ends mid-thought
+        thinking = self.thinking(prompt, mode)
+        if not thinking:
             if answer.reasoning:
                 raise GrammarError("reasoning in an answer to a prompt with thinking off")
-            head = ""
+            head = []
         elif prompt.endswith(THINK):
-            head = answer.reasoning + close
-        else:
-            head = f"{THINK}{answer.reasoning}{close}" if answer.reasoning else ""
-        body = answer.content
+            head = [("reasoning", answer.reasoning), *close]
+        else:  # the target opens <think> itself, closing it even on an empty thought
+            head = [(MARKER, THINK), ("reasoning", answer.reasoning), *close]
+        body = [("content", answer.content)]
         if answer.calls:
-            body += SECTION
-            for c in answer.calls:
-                body += f"{CALL}{c.id}{ARGS}{c.arguments}{CALL_END}"
-            body += SECTION_END
-        return head + body + (self.end if answer.finished else "")
+            body.append((MARKER, SECTION))
+            for k, c in enumerate(answer.calls):
+                body += [(MARKER, CALL), (f"tool_calls[{k}].id", c.id), (MARKER, ARGS)]
+                body += [(f"tool_calls[{k}].arguments", c.arguments), (MARKER, CALL_END)]
+            body.append((MARKER, SECTION_END))
+        end = [(MARKER, self.end)] if answer.finished else []
+        return [(f, t) for f, t in head + body + end if t]
 
-    def parse(self, prompt: str, text: str) -> Answer:
+    def parse(self, prompt: str, text: str, mode: dict | None = None) -> Answer:
+        """As vLLM's parsers in the same mode: thinking, all is reasoning up to `</think>` or
+        the tool-call section (a stream cut inside its thought is all reasoning)."""
         reasoning = ""
-        if (self.thinking(prompt) or text.startswith(THINK)) and END_THINK in text:
-            reasoning, _, text = text.partition(END_THINK)
-            reasoning = reasoning.removeprefix(THINK)
+        if self.thinking(prompt, mode):
+            text = text.removeprefix(THINK)
+            if END_THINK in text:
+                reasoning, _, text = text.partition(END_THINK)
+            else:
+                reasoning, section, rest = text.partition(SECTION)
+                text = section + rest
         content, _, section = text.partition(SECTION)
         calls = []
         for part in section.removesuffix(SECTION_END).split(CALL)[1:]:
@@ -167,8 +211,9 @@ def grammar(name: str) -> Grammar:
 
 
 def rename_calls(messages: list[dict], g: Grammar) -> list[dict]:
-    """The conversation with every tool call id the target's own (`g.call_id`, calls counted
-    over the conversation) and each tool result's `tool_call_id` following its call."""
+    """The conversation with every tool call id the target's own (`g.call_id`: an id the
+    target emitted kept, a foreign one renamed, calls counted over the conversation) and each
+    tool result's `tool_call_id` following its call."""
     renamed: dict[str, str] = {}
     out, index = [], 0
     for m in messages:

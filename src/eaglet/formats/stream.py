@@ -5,8 +5,15 @@ text backends the answer's reasoning, content and tool calls are written in the 
 grammar (`formats/grammar.py`) after the prompt its template renders with the generation prompt,
 tokenized, and proven by round trip: decoded, the stream must parse back through the serving
 engine's own reasoning and tool-call parsers (vLLM's, where installed; else eaglet's reading of
-the grammar, and the sidecar says which) to what was received. One that does not stops the
-stage naming the record.
+the grammar, and the sidecar says which), in the mode the target is served in, to what was
+received. One that does not stops the stage naming the record.
+
+Only the grammar's own markers are written as their ids; the answer's text pieces are tokenized
+with special-token matching off: text that holds `</think>` was written by the model as plain
+tokens (a marker it emitted would have been consumed by the server's parser). When such text
+makes the parsers read the stream otherwise, the record cannot be written as the model's stream:
+it is `Unwritable`, counted and skipped with its reason (or kept as plain tokens, by
+`generation.marker_text: keep`), never a stop of the dataset.
 
 Token counts: the stored count is the stream's length; the server's count (`usage.
 completion_tokens`, which counts reasoning, or SGLang's `meta_info`) is kept beside it, and their
@@ -15,16 +22,47 @@ gap per dataset is the drift a stage checks against `generation.max_token_drift`
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from typing import Any
 
 from eaglet.errors import EagletError
 from eaglet.formats.chat import render
-from eaglet.formats.grammar import Answer, Call, Grammar, GrammarError
+from eaglet.formats.grammar import MARKER, Answer, Call, Grammar, GrammarError
 
 
 class RoundTripError(EagletError):
     """A written stream that the engine's parsers do not read back to the answer received."""
+
+
+class Unwritable(EagletError):
+    """An answer whose text cannot be written as the target's stream (text holding one of the
+    grammar's markers): one record, skipped with this reason."""
+
+
+def added_ids(tokenizer: Any) -> dict[int, str]:
+    """The tokenizer's added tokens (special or not): id -> text."""
+    own = getattr(tokenizer, "added_tokens_decoder", None) or {}
+    return {int(i): getattr(t, "content", str(t)) for i, t in own.items()}
+
+
+def plain_ids(tokenizer: Any, text: str, added: dict[int, str]) -> list[int]:
+    """`text` as ordinary tokens, special-token matching off. Text without any added token's
+    text is tokenized as always (the same ids); Kimi's class matches special text in its own
+    `encode` whatever `split_special_tokens` says, so its switch (`allow_special_tokens`) is
+    asked next. Raises Unwritable when the tokenizer offers no way."""
+    if not any(t in text for t in added.values()):
+        return tokenizer(text, add_special_tokens=False)["input_ids"]
+    ids = tokenizer(text, add_special_tokens=False, split_special_tokens=True)["input_ids"]
+    if any(i in added for i in ids):
+        with contextlib.suppress(TypeError):  # a class without that switch
+            ids = list(tokenizer.encode(text, allow_special_tokens=False))
+    if found := [added[i] for i in ids if i in added]:
+        raise Unwritable(
+            f"{type(tokenizer).__name__} tokenizes the text {found[0]!r} as its special token "
+            "even with special-token matching off"
+        )
+    return ids
 
 
 class Parsers:
@@ -50,9 +88,13 @@ class Parsers:
                 self.tool_cls = ToolParserManager.get_tool_parser(grammar.tool_parser)
             self.source = f"vllm {vllm.__version__}"
 
-    def parse(self, prompt: str, text: str, tools: list[dict] | None) -> Answer:
+    def parse(
+        self, prompt: str, text: str, tools: list[dict] | None, mode: dict | None = None
+    ) -> Answer:
+        """The answer the engine's parsers read from `text`, in the mode the target is served
+        in after `prompt` (`mode`: the template arguments; the grammar decides)."""
         if self.source == "eaglet":
-            return self.grammar.parse(prompt, text)
+            return self.grammar.parse(prompt, text, mode)
         from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
 
         request = ChatCompletionRequest(
@@ -60,7 +102,7 @@ class Parsers:
         )
         reasoning, content = None, text
         if self.reasoning_cls is not None:
-            thinking = self.grammar.thinking(prompt) or text.startswith("<think>")
+            thinking = self.grammar.thinking(prompt, mode)
             parser = self._parser("reasoning", thinking)
             reasoning, content = parser.extract_reasoning(text, request)
         calls: tuple[Call, ...] = ()
@@ -110,32 +152,105 @@ class Writer:
     grammar: Grammar
     parsers: Parsers | None = None
     written: int = 0
+    keep_marker_text: bool = False  # generation.marker_text: keep
+    _markers: dict[str, int] | None = None
+
+    def marker_ids(self) -> dict[str, int]:
+        """Each of the grammar's markers as its one id; a target that splits one stops."""
+        if self._markers is None:
+            out = {}
+            for m in self.grammar.markers:
+                ids = self.tokenizer(m, add_special_tokens=False)["input_ids"]
+                if len(ids) != 1:
+                    raise EagletError(
+                        f"target.grammar {self.grammar.name}: its marker {m!r} encodes to "
+                        f"{ids}, not one id of the target's tokenizer"
+                    )
+                out[m] = ids[0]
+            self._markers = out
+        return self._markers
+
+    def served(self, asked: dict | None) -> dict | None:
+        """The mode the target answers in: the template arguments asked, else, for a template
+        that never writes the grammar's opening marker (Kimi-K2-Instruct's), instant whatever
+        the parsers' default; else None (the grammar decides)."""
+        if asked is not None or not self.grammar.opens:
+            return asked
+        template = str(getattr(self.tokenizer, "chat_template", None) or "")
+        return None if self.grammar.opens in template else {"thinking": False}
 
     def output_ids(self, rec: dict) -> list[int]:
         """The tokens of a text answer (a record without the engine's ids), written in the
-        target's grammar and read back; raises EagletError naming what is wrong."""
+        target's grammar and read back. Raises Unwritable for a record that cannot be written
+        as the model's stream, EagletError naming what else is wrong."""
         self.written += 1
-        mode = rec.get("chat_template_kwargs")
-        prompt = render(self.tokenizer, rec["messages"], rec.get("tools"), prompt=True, mode=mode)
+        asked = rec.get("chat_template_kwargs")
+        prompt = render(self.tokenizer, rec["messages"], rec.get("tools"), prompt=True, mode=asked)
+        mode = self.served(asked)
         answer = Answer.of(rec)
-        try:
-            text = self.grammar.write(prompt, answer)
+        try:  # an answer the grammar has no syntax for: the backend serves another model or
+            # mode, which every record would show, so the stage stops
+            pieces = self.grammar.pieces(prompt, answer, mode)
         except GrammarError as e:
             raise EagletError(f"response {rec['id']}: {self.grammar.name} grammar: {e}") from None
-        ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
+        markers, added = self.marker_ids(), added_ids(self.tokenizer)
+        ids: list[int] = []
+        for field, text in pieces:
+            ids += [markers[text]] if field == MARKER else plain_ids(self.tokenizer, text, added)
         decoded = self.tokenizer.decode(ids, skip_special_tokens=False)
         if answer.finished:
             decoded = decoded.removesuffix(self.grammar.end)
         if self.parsers is None:
             self.parsers = Parsers(self.grammar, self.tokenizer)
-        got = self.parsers.parse(prompt, decoded, rec.get("tools"))
-        wrong = agrees(got, answer)
-        if wrong:
+        wrong = agrees(self.parsers.parse(prompt, decoded, rec.get("tools"), mode), answer)
+        if wrong is None:
+            return ids
+        literal = marker_text(pieces, self.grammar)
+        if literal is None:
             raise RoundTripError(
                 f"response {rec['id']}: the written stream does not parse back through "
                 f"{self.parsers.source}'s {self.grammar.name} parsers: {wrong}"
             )
+        if not self.keep_marker_text:
+            field, m = literal
+            raise Unwritable(
+                f"{field} holds the text {m!r}: written as the plain tokens the model emitted, "
+                f"{self.parsers.source}'s {self.grammar.name} parsers read it as the marker "
+                f"({wrong})"
+            )
+        self.check_pieces(rec["id"], pieces, ids)
         return ids
+
+    def check_pieces(self, rid: str, pieces: list[tuple[str, str]], ids: list[int]) -> None:
+        """A kept stream with marker text, read back by its ids (the parsers read text, where a
+        plain-token `</think>` is the marker): cut at the grammar's marker ids, each text
+        piece decodes to the answer's text."""
+        ids_of = set(self.marker_ids().values())
+        texts, run = [], []
+        for i in [*ids, None]:
+            if i is None or i in ids_of:
+                if run:
+                    texts.append(self.tokenizer.decode(run, skip_special_tokens=False))
+                run = []
+            else:
+                run.append(i)
+        want = [t for f, t in pieces if f != MARKER]
+        if texts != want:
+            raise RoundTripError(
+                f"response {rid}: the kept stream's text pieces {texts[:3]} are not the "
+                f"answer's {want[:3]}"
+            )
+
+
+def marker_text(pieces: list[tuple[str, str]], grammar: Grammar) -> tuple[str, str] | None:
+    """The first text piece holding one of the grammar's markers as text: (field, marker)."""
+    for field, text in pieces:
+        if field == MARKER:
+            continue
+        for m in grammar.markers:
+            if m in text:
+                return field, m
+    return None
 
 
 @dataclass

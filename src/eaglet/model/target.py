@@ -236,6 +236,7 @@ def load_tokenizer(spec: TargetSpec) -> Any:
             raise
         raise EagletError(_code_import_error(spec, e)) from None
     check_special_tokens(spec, tok)
+    check_template_markers(spec, tok)
     check_vocab(spec, tok)
     return tok
 
@@ -329,8 +330,71 @@ def check_special_tokens(spec: TargetSpec, tokenizer: Any) -> None:
             raise EagletError(
                 f"target {spec.name}: tokenizer_config.json: {kind} {content!r} encodes "
                 f"to {ids}, not its one id [{tid}] ({type(tokenizer).__name__}); the target "
-                "reads it as one token: its own tokenizer class is needed "
-                "(target.trust_remote_code)"
+                f"reads it as one token: {_remedy(spec)}"
+            )
+
+
+def _remedy(spec: TargetSpec) -> str:
+    """What to do about a marker the tokenizer splits: the target's own class, or (already
+    trusted) a tokenizer whose files list it."""
+    if spec.trust_remote_code:
+        return (
+            "its own class (target.trust_remote_code is on) splits it: the target's tokenizer "
+            "files do not match its model (check target.revision)"
+        )
+    return "its own tokenizer class is needed (target.trust_remote_code)"
+
+
+MARKER_RE = re.compile(r"<\|[A-Za-z0-9_.:-]+\|>|</?think>")  # role, turn and thinking markers
+PROBE_TOOL = {
+    "type": "function",
+    "function": {"name": "f", "description": "d", "parameters": {"type": "object"}},
+}
+PROBE_CALL = {
+    "id": "functions.f:0",
+    "type": "function",
+    "function": {"name": "f", "arguments": "{}"},
+}
+PROBES = (  # what a template writes for each kind of turn: one conversation, then each alone
+    [
+        {"role": "system", "content": "s"},
+        {"role": "user", "content": "u"},
+        {"role": "assistant", "content": "a", "reasoning_content": "r", "tool_calls": [PROBE_CALL]},
+        {"role": "tool", "tool_call_id": "functions.f:0", "content": "t"},
+    ],
+    [{"role": "user", "content": "u"}, {"role": "assistant", "content": "a"}],
+    [{"role": "user", "content": "u"}],
+)
+
+
+def template_markers(tokenizer: Any) -> set[str]:
+    """The markers (`<|...|>`, `<think>`, `</think>`) the chat template writes, rendered on
+    probe conversations with and without tools (a template that refuses one is skipped)."""
+    found: set[str] = set()
+    for messages in PROBES:
+        for tools in ([PROBE_TOOL], None):
+            try:
+                text = tokenizer.apply_chat_template(
+                    messages, tools=tools, add_generation_prompt=True, tokenize=False
+                )
+            except Exception:  # a template that refuses this shape says nothing about markers
+                continue
+            found.update(MARKER_RE.findall(text if isinstance(text, str) else ""))
+    return found
+
+
+def check_template_markers(spec: TargetSpec, tokenizer: Any) -> None:
+    """Each marker the chat template writes must be one id, listed in the tokenizer config or
+    not: a marker the config does not list would otherwise reach prompts and answers as the
+    pieces the tokenizer splits it into."""
+    for marker in sorted(template_markers(tokenizer)):
+        ids = tokenizer(marker, add_special_tokens=False)["input_ids"]
+        if len(ids) != 1:
+            raise EagletError(
+                f"target {spec.name}: chat template marker {marker!r} encodes to {ids} "
+                f"({type(tokenizer).__name__}), not one id, and tokenizer_config.json's "
+                f"added_tokens_decoder does not list it; the target reads it as one token: "
+                f"{_remedy(spec)}"
             )
 
 

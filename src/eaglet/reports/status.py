@@ -30,7 +30,7 @@ from eaglet.params import Params
 from eaglet.progress import BEACON
 from eaglet.reports.compare import _changed, _flat
 from eaglet.stages import regeneration
-from eaglet.stages.generate import scan, setup, spend_lines, spend_report
+from eaglet.stages.generate import scan, setup, spend_lines, spend_report, stop_note
 
 RUN_FRESH_S = 60.0  # a heartbeat older than this is not a run in progress
 NO_PROVENANCE = "built from other inputs (no provenance to compare)"
@@ -227,11 +227,21 @@ def _row(params: Params, keys: Keys, store, kind: str, name: str, stage: str) ->
         row["stats"] = read_json(sidecar).get("stats", {})
     if stage == "responses":
         row["generation"] = generation(params, name, keys, store)
+        if not path.exists() and (note := _stopped(path)):
+            row["stopped"] = note
     if stage == "hidden" and path.is_dir():
         row["disk_bytes"] = sum(p.stat().st_size for p in path.iterdir() if p.is_file())
     if row["state"] != "up to date" and (log := _log(keys, stage, name)):
         row["log"] = log
     return row
+
+
+def _stopped(path) -> str | None:
+    """Why the responses stage stopped on its checks at this key (drift, round trip), if so."""
+    try:
+        return read_json(stop_note(path)).get("reason")
+    except (OSError, ValueError, AttributeError):
+        return None
 
 
 def _waiting(kind: str, name: str, stage: str, e: AwaitedFile) -> dict:
@@ -285,6 +295,8 @@ def _summary(row: dict) -> str:
         old, why = stale["from"], stale["why"]
         known = f"since {old}: " + "; ".join(map(_short, why))
         parts.insert(0, f"{old} was {NO_PROVENANCE}" if why == [NO_PROVENANCE] else known)
+    if row.get("stopped"):
+        parts.append(f"stopped: {row['stopped']}")
     if row.get("log"):
         parts.append(f"log: {row['log']}")
     return "; ".join(p for p in parts if p)
@@ -341,6 +353,9 @@ def _details(row: dict) -> str:
             text += f" (worst {drift['worst']['id']})" if drift["worst"] else ""
         if st.get("from_grammar"):
             text += f", {st['from_grammar']} written in the target's grammar"
+        if (u := st.get("unwritable")) and u["count"]:
+            first = u["first"][0]
+            text += f", {u['count']} left out (first {first['id']}: {first['reason']})"
         checks = regeneration.summary(st.get("regeneration", {}))
         text += f"; {checks}" if checks else ""
         run = g["run"]

@@ -19,7 +19,9 @@ calls `tool_calls` (likewise), and `output_ids` when the engine returned them. G
 the length of `output_ids`, else the file's count (`completion_tokens`, `usage.
 completion_tokens`, `meta_info.completion_tokens`), else counted with the target tokenizer; the
 file's count is kept beside, and the summary gives the drift between the two (the responses
-stage stops past `generation.max_token_drift`).
+stage stops past `generation.max_token_drift`). The summary's tokens, cost and drift count only
+the answers new to the store; an answer that cannot be written as the target's stream (its text
+holds a marker) is stored and counted as `unwritable`: the responses stage leaves it out.
 
 Imported answers are stored as such (`origin: imported`): the project budget does not charge
 them to a run (`budget.count: this_run`), and the dry run and the sidecars report them beside.
@@ -199,22 +201,23 @@ def import_file(params: Params, dataset: str, path: Path) -> dict:
                     raise EagletError(f"{path}:{line}: {e}") from None
                 known = by_messages.get(dumps(prompt))  # a prompt of the dataset: in its mode
                 key = j.key(known) if known else j.keyfn(prompt)
-                if key in of_dataset:  # the stream it will be stored as: checked, counted
+                new = not store.get_many([key])
+                if new and key in of_dataset:  # the stream it will be stored as: checked
                     rec = response_record(of_dataset[key], dict(result), "import", {})
                     if j.mode is not None:
                         rec["chat_template_kwargs"] = j.mode_of(known)
                     try:
-                        streams.add(rec)
+                        streams.add(rec)  # one it cannot write is counted in its stats
                     except EagletError as e:
                         raise EagletError(f"{path}:{line}: {e}") from None
-                if not store.get_many([key]):
-                    summary["new"] += 1
                 store.put(key, j.keyfn.backend, result)
                 schemas[schema] += 1
                 summary["records"] += 1
-                summary["in_dataset"] += key in of_dataset
-                summary["completion_tokens"] += result["completion_tokens"]
-                summary["cost"] += result["cost"] or 0.0
+                if new:  # a row already in the store adds nothing: not counted again
+                    summary["new"] += 1
+                    summary["in_dataset"] += key in of_dataset
+                    summary["completion_tokens"] += result["completion_tokens"]
+                    summary["cost"] += result["cost"] or 0.0
     finally:
         store.close()
     if not summary["records"]:

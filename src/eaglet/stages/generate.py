@@ -48,7 +48,7 @@ from eaglet.formats.grammar import answer_calls, grammar
 from eaglet.formats.io import dumps, read_json, read_jsonl, write_json, write_jsonl_zst
 from eaglet.formats.records import response_record
 from eaglet.formats.store import Locked, Origin, RequestKeys, Store, charged, store_path
-from eaglet.formats.stream import Drift, Writer
+from eaglet.formats.stream import Drift, Unwritable, Writer
 from eaglet.graph.code import Code
 from eaglet.graph.keys import Keys, Spec, sidecar_of
 from eaglet.model.target import TargetSpec, load_tokenizer
@@ -59,7 +59,7 @@ from eaglet.stages.turns import Conversations, Turn
 
 # The code that shapes this stage's bytes (eaglet.graph.code): bump the version when they change.
 CODE = Code(
-    version=3,
+    version=5,
     kernel=(
         "eaglet.stages.generate:rejected",
         "eaglet.stages.generate:plan_output",
@@ -106,6 +106,7 @@ class Job:
     max_token_drift: float
     mode: dict | None = None  # the spec's thinking mode (sample_mode gives each prompt's)
     truncated: str = "drop"  # drop or keep the answers cut at max_new_tokens
+    marker_text: str = "skip"  # skip or keep the text answers holding a marker's text
     turns: str = "all"  # the assistant turns regenerated: all, or the last
     threads: int | None = None
     quiet: bool = False
@@ -199,6 +200,7 @@ def setup(
         max_token_drift=params.generation(dataset)["max_token_drift"],
         mode=v.mode,
         truncated=v.truncated,
+        marker_text=v.marker_text,
         turns=v.turns,
         threads=threads,
         quiet=quiet,
@@ -568,43 +570,71 @@ def output_records(job: Job, store: Store, n: int) -> Iterator[dict]:
 class Streams:
     """Response records -> the target's generated tokens (`output_ids`: the engine's, or a text
     answer written in the target's grammar and read back), the stored count their length, and
-    the drift of that count from the server's over the dataset."""
+    the drift of that count from the server's over the dataset. A text answer that cannot be
+    written as the model's stream is left out, counted with its reason."""
 
     def __init__(self, job: Job):
         self.job, self.grammar = job, grammar(job.grammar)
         self.writer: Writer | None = None
         self.drift = Drift()
+        self.unwritable: list[dict] = []
 
-    def add(self, rec: dict) -> dict:
+    def add(self, rec: dict) -> dict | None:
+        """The record with its tokens, or None when it cannot be written (counted)."""
         if rec["output_ids"] is None:
             if self.writer is None:
-                self.writer = Writer(load_tokenizer(self.job.target), self.grammar)
+                tok = load_tokenizer(self.job.target)
+                self.writer = Writer(tok, self.grammar, keep_marker_text=self.keep)
             if rec.get("tool_calls"):
                 rec["tool_calls"] = answer_calls(rec["tool_calls"], rec["messages"], self.grammar)
-            rec["output_ids"] = self.writer.output_ids(rec)
+            try:
+                rec["output_ids"] = self.writer.output_ids(rec)
+            except Unwritable as e:
+                self.unwritable.append({"id": rec["id"], "reason": str(e)})
+                return None
         rec["completion_tokens"] = len(rec["output_ids"])
         self.drift.add(rec["id"], rec["completion_tokens"], rec["server_completion_tokens"])
         return rec
 
+    @property
+    def keep(self) -> bool:
+        return self.job.marker_text == "keep"
+
     def stats(self) -> dict:
         w = self.writer
-        out = {"token_drift": self.drift.summary(), "from_grammar": w.written if w else 0}
+        written = w.written - len(self.unwritable) if w else 0
+        out = {"token_drift": self.drift.summary(), "from_grammar": written}
         if w is not None and w.parsers is not None:
             out["round_trip"] = f"{w.parsers.source}'s {self.grammar.name} parsers"
+        out["unwritable"] = {"count": len(self.unwritable), "first": self.unwritable[:5]}
         return out
 
     def check(self) -> None:
         self.drift.check(self.job.dataset, self.job.max_token_drift)
 
 
+def stop_note(out: Path) -> Path:
+    """Where a responses stage that stopped on its checks (drift, round trip) says why, beside
+    the output it did not write; `eaglet status` shows it."""
+    return out.with_name(out.name.split(".")[0] + ".stopped.json")
+
+
 def write_output(job: Job, store: Store, out: Path, prov: dict, extra: dict) -> dict:
-    """Write the sidecar, then the records (atomically each); return the stats."""
+    """Write the sidecar, then the records (atomically each); return the stats. Stopped by a
+    check, leave the reason beside (`stop_note`)."""
     stats = {"prompts": job.count(), **plan_output(job, store), **extra}
     stats["turns"] = job.turns
     st = Streams(job)
-    records = [st.add(r) for r in output_records(job, store, stats["responses"])]
-    st.check()
+    try:
+        written = (st.add(r) for r in output_records(job, store, stats["responses"]))
+        records = [r for r in written if r is not None]
+        st.check()
+    except EagletError as e:
+        write_json(stop_note(out), {"reason": str(e)})
+        raise
+    stop_note(out).unlink(missing_ok=True)
     stats |= st.stats()
+    stats["responses"] = len(records)
     if job.mode is not None:  # how many answers each mode has
         on = sum(next(iter(r["chat_template_kwargs"].values())) for r in records)
         stats["modes"] = {"thinking": on, "instant": len(records) - on}

@@ -22,6 +22,7 @@ class ResponsesSpec:
     target: dict  # generates, or tokenizes the answers of an API
     mode: dict | None  # thinking on, off or a seeded mix (None: the template's default)
     truncated: str  # drop or keep the answers cut at max_new_tokens
+    marker_text: str  # skip or keep the text answers holding a marker's text
     turns: str  # the assistant turns regenerated: all (each after the target's own), or last
 
 
@@ -31,6 +32,7 @@ def spec_of(keys: Keys, dataset: str) -> tuple[ResponsesSpec, dict]:
     sampling.pop("max_token_drift")  # a check: stops or passes, changes no byte
     thinking, fraction = sampling.pop("thinking"), sampling.pop("thinking_fraction")
     truncated = sampling.pop("truncated")  # what is kept of the answers, not how they are asked
+    marker_text = sampling.pop("marker_text")
     turns = sampling.pop("turns")
     mode = None
     if thinking is not None:
@@ -48,6 +50,7 @@ def spec_of(keys: Keys, dataset: str) -> tuple[ResponsesSpec, dict]:
         target=keys.target_identity(),
         mode=mode,
         truncated=truncated,
+        marker_text=marker_text,
         turns=turns,
     )
     return spec, {"prompts": keys.key("prompts", dataset)}

@@ -25,7 +25,7 @@ from eaglet.stages.prompts_spec import PromptsSpec
 
 # The code that shapes this stage's bytes (eaglet.graph.code): bump the version when they change.
 CODE = Code(
-    version=1,
+    version=2,
     kernel=(
         "eaglet.stages.prompts:collect",
         "eaglet.stages.prompts:select",
