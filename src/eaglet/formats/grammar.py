@@ -16,7 +16,8 @@ A grammar is named per target family in params (`target.grammar`):
              <|tool_call_end|>...<|tool_calls_section_end|>]<|im_end|>
 Adding one (Qwen3's `<think>\n..\n</think>\n\n` + Hermes `<tool_call>` JSON, say) is a subclass
 of `Grammar` with `write`, `parse`, its markers and the names of the serving engine's parsers
-that read it back, registered in GRAMMARS; `tests/test_streams.py` shows what it must pass.
+that read it back, registered in GRAMMARS; `tests/stages/responses/test_streams.py` shows what
+it must pass.
 """
 
 from __future__ import annotations

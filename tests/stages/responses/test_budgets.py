@@ -24,7 +24,7 @@ from eaglet.stages.preflight import preflight
 
 from ...conftest import ROOT, write_params
 from ...fake_llm import FakeLLM, openai_answer
-from ...test_generate import CAP, KEY, KEY_ENV, api_params, eaglet, prompts_of
+from .test_generate import CAP, KEY, KEY_ENV, api_params, eaglet, prompts_of
 
 
 @pytest.fixture(autouse=True)

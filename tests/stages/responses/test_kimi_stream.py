@@ -29,9 +29,9 @@ from eaglet.graph.keys import Keys, sidecar_of
 from eaglet.model.target import load_tokenizer, resolve
 from eaglet.params import load
 
-from .conftest import write_params
-from .kimi_api import KimiAPI, Plain, stream_ids
-from .kimi_fixture import tiny_kimi
+from ...conftest import write_params
+from ...kimi_api import KimiAPI, Plain, stream_ids
+from ...kimi_fixture import tiny_kimi
 
 KEY_ENV = "EAGLET_TEST_KIMI_STREAM_KEY"
 LIST_FILES = {

@@ -19,9 +19,9 @@ from eaglet.graph.keys import Keys, sidecar_of
 from eaglet.model.target import load_tokenizer, resolve
 from eaglet.params import load
 
-from .conftest import write_params
-from .kimi_api import KimiAPI
-from .kimi_fixture import IM_END, THINK, tiny_kimi
+from ...conftest import write_params
+from ...kimi_api import KimiAPI
+from ...kimi_fixture import IM_END, THINK, tiny_kimi
 
 KEY_ENV = "EAGLET_TEST_KIMI_KEY"
 WEATHER = {
@@ -431,7 +431,7 @@ def _mode(body: dict) -> bool:
 
 
 def test_thinking_without_the_targets_switch_is_one_line(project):
-    from .conftest import tiny_params
+    from ...conftest import tiny_params
 
     data = tiny_params()
     data["datasets"]["sg"]["thinking"] = False

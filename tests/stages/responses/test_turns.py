@@ -19,9 +19,9 @@ from eaglet.model.target import load_tokenizer, resolve
 from eaglet.params import load
 from eaglet.stages.generate import scan
 
-from .conftest import write_params
-from .kimi_api import KimiAPI
-from .kimi_fixture import tiny_kimi
+from ...conftest import write_params
+from ...kimi_api import KimiAPI
+from ...kimi_fixture import tiny_kimi
 
 KEY_ENV = "EAGLET_TEST_TURNS_KEY"
 USERS = ["Name a colour.", "A fruit of that colour?", "And a vegetable?"]

@@ -308,7 +308,7 @@ def test_a_shard_or_journal_lost_from_the_partial_folder_fails(tmp_path):
 
 
 def test_nan_states_stop_training_naming_the_step_and_sample(tmp_path):
-    from .hidden_fixture import bundle, fit_tiny
+    from ..hidden_fixture import bundle, fit_tiny
 
     torch.set_num_threads(2)
     data = bundle(n=8, prompt_len=6, new_tokens=8)

@@ -21,9 +21,9 @@ from eaglet.formats.store import Store, store_path
 from eaglet.graph.keys import Keys, build, sidecar_of
 from eaglet.params import load
 
-from .conftest import ROOT, write_params
-from .fake_llm import FakeLLM
-from .test_generate import KEY, KEY_ENV, api_params, records, setup, write_raw
+from ..conftest import ROOT, write_params
+from ..fake_llm import FakeLLM
+from ..stages.responses.test_generate import KEY, KEY_ENV, api_params, records, setup, write_raw
 
 
 @pytest.fixture(autouse=True)

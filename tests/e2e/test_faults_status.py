@@ -18,9 +18,9 @@ from eaglet.graph.keys import Keys
 from eaglet.params import load
 from eaglet.reports import status
 
-from .conftest import ROOT, write_params
-from .fake_llm import FakeLLM
-from .test_generate import KEY, KEY_ENV, api_params, setup, write_raw
+from ..conftest import ROOT, write_params
+from ..fake_llm import FakeLLM
+from ..stages.responses.test_generate import KEY, KEY_ENV, api_params, setup, write_raw
 
 
 def sample(i, T=5, H=8):

@@ -24,7 +24,7 @@ from eaglet import locks
 from eaglet.graph.keys import Keys, lock_of
 from eaglet.params import load
 
-from .conftest import DEMO, ROOT, tiny_params, write_params
+from ..conftest import DEMO, ROOT, tiny_params, write_params
 
 pytestmark = pytest.mark.slow
 

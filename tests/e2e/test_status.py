@@ -15,9 +15,9 @@ from eaglet.model.target import SMOLLM2, load_tokenizer, resolve
 from eaglet.params import load
 from eaglet.reports import status
 
-from .conftest import tiny_params, write_params
-from .fake_llm import FakeLLM
-from .test_generate import KEY, api_params, eaglet, setup, write_raw
+from ..conftest import tiny_params, write_params
+from ..fake_llm import FakeLLM
+from ..stages.responses.test_generate import KEY, api_params, eaglet, setup, write_raw
 
 
 def _prompts(params, ds: str) -> list[dict]:

@@ -24,9 +24,9 @@ from eaglet.params import load
 from eaglet.reports import status
 from eaglet.stages.preflight import preflight
 
-from . import cli
-from .conftest import ROOT, write_params
-from .fake_llm import FakeLLM, chat_digest, openai_answer, sglang_answer
+from ... import cli
+from ...conftest import ROOT, write_params
+from ...fake_llm import FakeLLM, chat_digest, openai_answer, sglang_answer
 
 KEY = "sk-or-v1-test-4f1e9c0b7a"
 KEY_ENV = "EAGLET_TEST_KEY"

@@ -27,7 +27,7 @@ from eaglet.formats.readers import iter_rows
 from eaglet.graph.keys import Keys, sidecar_of
 from eaglet.params import load
 
-from .conftest import ROOT, write_params
+from ..conftest import ROOT, write_params
 
 TARGET = {"model": "smollm2-135m-instruct"}
 GOOD = [
