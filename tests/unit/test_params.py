@@ -95,6 +95,7 @@ def test_defaults_and_overrides(tmp_path):
         "thinking": None,
         "thinking_fraction": 0.5,
         "truncated": "drop",
+        "marker_text": "skip",
         "turns": "all",
     }
     assert p.dataset("a")["format"] == "auto"
