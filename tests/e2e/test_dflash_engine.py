@@ -43,13 +43,13 @@ def greedy(target, prompt: list[int]) -> list[int]:
     return out[: out.index(EOS)] if EOS in out else out
 
 
-def chain(model, sample: dict, start: int, k: int) -> tuple[int, int]:
-    """(rounds, accepted) of greedy verification over the stored answer from position `start`
-    (the first answer token, produced by the target's prefill): each round's block is anchored
-    at the token the target just produced, its K drafts are accepted while they equal the
-    answer, then the target's own next token anchors the next round."""
+def chain(model, sample: dict, start: int, k: int) -> list[int]:
+    """The drafts accepted in each round of greedy verification over the stored answer from
+    position `start` (the first answer token, produced by the target's prefill): each round's
+    block is anchored at the token the target just produced, its K drafts are accepted while
+    they equal the answer, then the target's own next token anchors the next round."""
     ids, aux = sample["input_ids"], sample["aux"]
-    a, end, rounds, accepted = start, len(ids), 0, 0
+    a, end, rounds = start, len(ids), []
     with torch.no_grad():
         while a < end - 1:
             drafts = model(aux[None].float(), ids[None], torch.tensor([[a]]))[0, 0, 1:].argmax(-1)
@@ -57,21 +57,27 @@ def chain(model, sample: dict, start: int, k: int) -> tuple[int, int]:
             n = 0
             while n < k and a + n + 1 < end and drafts[n] == ids[a + n + 1]:
                 n += 1
-            rounds, accepted, a = rounds + 1, accepted + n, a + n + 1
-    return rounds, accepted
+            rounds.append(n)
+            a += n + 1
+    return rounds
 
 
 @pytest.mark.engine
-def test_stock_vllm_serves_a_trained_dflash_export_greedy_equal(tmp_path):
+def test_evaluate_measures_a_trained_dflash_export_on_stock_vllm(tmp_path):
     """SmolLM2's greedy answers to 8 questions, its states at EAGLE-3's layers, a 1-layer
-    DFlash drafter (block 4, a 1,024-token draft vocabulary) trained on them for 50 steps
-    and exported; vLLM serves it with method dflash and 3 speculative tokens (fp32, eager):
-    the same greedy tokens as the target alone, and an acceptance length from /metrics near
-    eaglet's own greedy chain over the same answers with the exported (bf16) weights."""
+    DFlash drafter (block 4, a 1,024-token draft vocabulary) trained on them for 50 steps,
+    saved as the train stage saves it and exported; the evaluate stage's engine path
+    (evaluate.settings, evaluate.engine_metrics: a plain server, then vLLM serving the export
+    with method dflash, fp32, eager) measures it: num_steps is block_size - 1 whatever
+    evaluate.num_steps lists, the plain greedy tokens are the target's own (transformers), the
+    speculative ones equal them, and acceptance length and acceptance per position from
+    /metrics equal eaglet's own greedy chain over the same answers with the exported (bf16)
+    weights."""
+    from types import SimpleNamespace
+
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from eaglet.engines.vllm import Engine, ServeConfig
-    from eaglet.stages import engine_eval
+    from eaglet.stages import evaluate, train_dflash
 
     torch.manual_seed(0)
     folder = materialize(resolve("smollm2-135m-instruct"))
@@ -112,28 +118,46 @@ def test_stock_vllm_serves_a_trained_dflash_export_greedy_equal(tmp_path):
     rows = fit(model, samples, Hyper(steps=STEPS, lr=2e-3, batch_size=8, warmup=10))
     print(f"loss {rows[0]['loss']:.3f} -> {rows[-1]['loss']:.3f}, slot accuracy {rows[-1]['acc']}")
     assert rows[-1]["loss"] < 0.5 * rows[0]["loss"]
-    out = tmp_path / "dflash"
+    trained, out = tmp_path / "train", tmp_path / "dflash"
+    train_dflash.save(model, trained, rows)
     export.write(model, out)
     exported = export.load(out, embed)
-    rounds = accepted = 0
-    for s in samples:
-        r, a = chain(exported, s, s["prompt"], BLOCK - 1)
-        rounds, accepted = rounds + r, accepted + a
-    own = 1 + accepted / rounds
+    rounds = [n for s in samples for n in chain(exported, s, s["prompt"], BLOCK - 1)]
+    own = 1 + sum(rounds) / len(rounds)
+    per_position = [sum(n >= j for n in rounds) / len(rounds) for j in range(1, BLOCK)]
 
-    config = ServeConfig(
-        model=folder,
-        max_model_len=1024,
+    cfg = {
+        "num_steps": [1, 5],  # EAGLE-3's lists: a DFlash drafter drafts block_size - 1
+        "max_new_tokens": NEW,
+        "temperatures": [0.0],
+        "seed": 0,
+        "engine": "vllm",
+        "engine_concurrency": 1,
+        "engine_eager": True,
+        "engine_tensor_parallel_size": 1,
+        "engine_extra_args": [],
+        "dtype": "float32",
+    }
+    spec = SimpleNamespace(name="dflash", values=SimpleNamespace(evaluate=cfg))
+    setup = SimpleNamespace(
+        trained=trained,
+        export=out,
+        target=resolve("smollm2-135m-instruct"),
+        engine_url=None,
+        target_max_length=1024,
         threads=2,
-        speculative={"method": "dflash", "model": str(out), "num_speculative_tokens": BLOCK - 1},
     )
-    with Engine(config, log=tmp_path / "log") as engine:
-        served = engine_eval.run(engine, "target", prompts, NEW, [EOS], 1)
-    m = served["counters"].summary()
-    print(f"eaglet chain {own:.3f} over {rounds} rounds; vLLM {m}")
-    outputs = [o[: o.index(EOS)] if EOS in o else o for o in served["outputs"]]
+    cfg, method = evaluate.settings(spec, setup)
+    assert (method, cfg["num_steps"]) == ("dflash", [BLOCK - 1])
+    engine = evaluate.engine_metrics(spec, setup, {"q": prompts}, {EOS}, cfg, method)
+    suite = engine["suites"]["q"]
+    m = suite["temperature_0"][f"num_steps_{BLOCK - 1}"]
+    print(f"eaglet chain {own:.3f} {per_position} over {len(rounds)} rounds; vLLM {m}")
+    outputs = [o[: o.index(EOS)] if EOS in o else o for o in suite["greedy_outputs"]]
     assert outputs == [s["input_ids"][s["prompt"] :].tolist() for s in samples]
+    assert m["greedy_equal"] and m["greedy_mismatches"] == 0
     # each round's block depends only on the context and the anchor, the same in both; a
     # round cut by max_tokens may end apart (vLLM verifies drafts past the cut)
-    assert own > 1.5 and abs(m["drafts"] - rounds) <= 1
+    assert own > 1.5 and abs(m["drafts"] - len(rounds)) <= 1
     assert m["acceptance_length"] == pytest.approx(own, abs=0.05)
+    assert m["accepted_per_position"] == pytest.approx(per_position, abs=0.05)

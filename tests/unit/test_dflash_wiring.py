@@ -163,3 +163,36 @@ def test_the_stage_trains_on_the_stored_layers_it_names(tmp_path):
     with open(out / "metrics.csv") as f:
         losses = [float(line.split(",")[1]) for line in list(f)[1:]]
     assert losses[-1] < losses[0]
+
+
+def test_evaluate_sets_a_dflash_drafter_to_block_size_minus_one(tmp_path):
+    """evaluate's settings for a trained DFlash folder: method dflash, num_steps block_size - 1
+    whatever evaluate.num_steps lists (an EAGLE-3 folder keeps its settings, the same dict);
+    its engine-only metrics give the summary."""
+    from eaglet.stages import evaluate
+
+    data = bundle(n=3, new_tokens=8)
+    cfg = DFlashConfig.from_target(TINY, target_layer_ids=[1, 3, 4], mask_token_id=5, block_size=4)
+    model = init(cfg, data["embed"], data["lm_head"], None)
+    trained = tmp_path / "trained"
+    train_dflash.save(model, trained, fit(model, data["samples"], Hyper(steps=2, batch_size=3)))
+    settings = {"num_steps": [3, 7], "temperatures": [0.0]}
+    spec = SimpleNamespace(values=SimpleNamespace(evaluate=settings))
+    got, method = evaluate.settings(spec, SimpleNamespace(trained=trained))
+    assert (method, got["num_steps"], settings["num_steps"]) == ("dflash", [3], [3, 7])
+    eagle = evaluate.settings(spec, SimpleNamespace(trained=tmp_path / "eagle3"))
+    assert eagle[0] is settings and eagle[1] == "eagle3"
+
+    run = {"acceptance_length": 1.8, "acceptance_rate": [0.5, 0.4, 0.2], "greedy_equal": True}
+    metrics = {
+        "drafter": "d",
+        "prompts": 2,
+        "suites": {
+            "q": {"prompts": 2, "eaglet": {}, "vllm": {"temperature_0": {"num_steps_3": run}}}
+        },
+        "offline": {},
+        "engine": {"engine": "vllm"},
+    }
+    stats = evaluate.summary(metrics, got["num_steps"])
+    assert stats["acceptance_length"] == 1.8 and stats["acceptance_length_by"] == "vllm"
+    assert stats["suites"]["q"]["vllm_temperature_0"] == {"num_steps_3": 1.8}

@@ -171,6 +171,12 @@ def eagle3(draft: str | os.PathLike, num_steps: int) -> dict:
     return {"method": "eagle3", "model": str(draft), "num_speculative_tokens": num_steps}
 
 
+def dflash(draft: str | os.PathLike, num_steps: int) -> dict:
+    """The speculative config of a DFlash drafter (z-lab's layout): num_steps = block_size - 1,
+    the masks it drafts a round (vLLM does not read block_size)."""
+    return {"method": "dflash", "model": str(draft), "num_speculative_tokens": num_steps}
+
+
 def free_port() -> int:
     """A loopback port nobody listens on now."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:

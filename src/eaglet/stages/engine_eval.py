@@ -1,7 +1,8 @@
 """Acceptance measured by a serving engine: vLLM serves the target with the drafter's vLLM export.
 
 One server without the drafter (plain greedy: the reference outputs and tokens/s), then one per
-`num_steps` with `--speculative-config {"method": "eagle3", ...}`. Each runs every suite's
+`num_steps` with `--speculative-config {"method": "eagle3", ...}` (`"dflash"` for a DFlash drafter,
+whose one num_steps is block_size - 1). Each runs every suite's
 prompts (token ids in, `/v1/completions`, the target's stop ids), the speculative server once per
 temperature: 0 is greedy, above 0 is speculative sampling (vLLM's rejection sampler; request i
 seeded with seed + i). The speculative counters of `GET /metrics` are read before and after each
@@ -19,7 +20,7 @@ from pathlib import Path
 
 import httpx
 
-from eaglet.engines.vllm import Engine, ServeConfig, eagle3, spec_counters
+from eaglet.engines.vllm import Engine, ServeConfig, dflash, eagle3, spec_counters
 from eaglet.errors import EagletError
 from eaglet.model.speculative import against_greedy
 
@@ -91,10 +92,13 @@ def measure(
     stop: list[int],
     startup_timeout_s: float = 900.0,
     log: Path | None = None,
+    method: str = "eagle3",
 ) -> dict:
     """Plain and speculative runs of every suite on the engine. `cfg`: the evaluate settings
     (num_steps, max_new_tokens, temperatures, seed, engine_concurrency). Per suite: its greedy
-    outputs and tokens/s, and per temperature and num_steps the speculative metrics."""
+    outputs and tokens/s, and per temperature and num_steps the speculative metrics. `method`:
+    the drafter's, eagle3 or dflash (vLLM's speculative method)."""
+    speculative = {"eagle3": eagle3, "dflash": dflash}[method]
     max_new, conc = cfg["max_new_tokens"], cfg["engine_concurrency"]
     out: dict = {"engine": "vllm", "dtype": serve.dtype, "enforce_eager": serve.enforce_eager}
     out["concurrency"] = conc
@@ -108,7 +112,7 @@ def measure(
         tps = r["tokens"] / r["seconds"]
         per_suite[name] = {"greedy_tokens_per_s": round(tps, 2), "greedy_outputs": r["outputs"]}
     for s in cfg["num_steps"]:
-        spec = dataclasses.replace(serve, speculative=eagle3(export.resolve(), s))
+        spec = dataclasses.replace(serve, speculative=speculative(export.resolve(), s))
         with Engine(spec, log=log, startup_timeout_s=startup_timeout_s) as engine:
             for name, prompts in suites.items():
                 for t in cfg["temperatures"]:

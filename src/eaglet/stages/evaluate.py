@@ -154,12 +154,31 @@ def engine_export(spec: Spec, setup: Setup) -> Path:
     return setup.export
 
 
+def settings(spec: Spec, setup: Setup) -> tuple[dict, str]:
+    """evaluate's settings and the drafter's method (vLLM's name: eagle3 or dflash). A DFlash
+    drafter drafts block_size - 1 tokens a round: that is its one num_steps, whatever
+    evaluate.num_steps lists."""
+    from eaglet.formats.io import read_json
+    from eaglet.stages import train_dflash
+
+    cfg = spec.values.evaluate
+    if not train_dflash.is_dflash(setup.trained):
+        return cfg, "eagle3"
+    block = read_json(setup.trained / train_dflash.CONFIG)["block_size"]
+    return dict(cfg, num_steps=[block - 1]), "dflash"
+
+
 def engine_metrics(
-    spec: Spec, setup: Setup, prompts: dict[str, list[list[int]]], stop: set[int]
+    spec: Spec,
+    setup: Setup,
+    prompts: dict[str, list[list[int]]],
+    stop: set[int],
+    cfg: dict,
+    method: str = "eagle3",
 ) -> dict:
     """Every suite run by vLLM serving the target with the drafter's vLLM export (started here),
-    or by an operator's engine already serving it (`engine_url`)."""
-    cfg, target = spec.values.evaluate, setup.target
+    or by an operator's engine already serving it (`engine_url`). `cfg`: `settings`'s."""
+    target = setup.target
     if setup.engine_url:  # an operator's engine, already serving this drafter
         return engine_eval.measure_running(
             setup.engine_url, target.name, prompts, cfg, sorted(stop)
@@ -176,7 +195,8 @@ def engine_metrics(
         threads=setup.threads or 0,
         extra_args=tuple(cfg["engine_extra_args"]),
     )
-    return engine_eval.measure(serve, engine_export(spec, setup), prompts, cfg, sorted(stop))
+    export = engine_export(spec, setup)
+    return engine_eval.measure(serve, export, prompts, cfg, sorted(stop), method=method)
 
 
 # The code that shapes this stage's bytes (eaglet.graph.code): bump the version when they change.
@@ -187,6 +207,7 @@ CODE = Code(
         "eaglet.stages.evaluate:heldout_prompts",
         "eaglet.stages.evaluate:offline",
         "eaglet.stages.evaluate:decode_all",
+        "eaglet.stages.evaluate:settings",
         "eaglet.stages.evaluate:engine_metrics",
         "eaglet.stages.evaluate:agreement",
         "eaglet.stages.evaluate:measure_suites",
@@ -204,6 +225,7 @@ CODE = Code(
         "eaglet.engines.vllm:spec_counters",
         "eaglet.engines.vllm:SpecCounters",
         "eaglet.engines.vllm:eagle3",
+        "eaglet.engines.vllm:dflash",
         "eaglet.engines.vllm_plugin",
         "eaglet.stages.train:load",
         "eaglet.stages.train:Run",
@@ -236,6 +258,13 @@ NOTES = {
         "through eaglet's vLLM plugin (eaglet.engines.vllm_plugin)"
     ),
 }
+
+
+DFLASH_NOTE = (
+    "method dflash: vLLM serves the drafter's export with num_speculative_tokens = block_size - "
+    "1 (its one num_steps; evaluate.num_steps does not apply); eaglet's own decoder does not "
+    "draft DFlash blocks yet, so there is no eaglet run, no agreement and no offline estimate"
+)
 
 
 def agreement(own: dict, engine: dict) -> dict:
@@ -316,8 +345,8 @@ def plot(metrics: dict, train_rows: list[dict], folder: Path) -> None:
     steps = [int(r["step"]) for r in train_rows]
     a1.plot(steps, [float(r["loss"]) for r in train_rows])
     a1.set(xlabel="step", ylabel="weighted TTT loss", title="training loss")
-    for k in range(len([c for c in train_rows[0] if c.startswith("acc_")]) if train_rows else 0):
-        a2.plot(steps, [float(r[f"acc_{k}"]) for r in train_rows], label=f"step {k}")
+    for c in [c for c in train_rows[0] if c.startswith("acc_")] if train_rows else []:
+        a2.plot(steps, [float(r[c]) for r in train_rows], label=f"step {c.removeprefix('acc_')}")
     a2.set(xlabel="step", ylabel="top-1 accuracy", title="training accuracy per TTT step")
     a2.legend(fontsize=7)
     fig.tight_layout()
@@ -328,14 +357,14 @@ def plot(metrics: dict, train_rows: list[dict], folder: Path) -> None:
 def measure_suites(
     spec: Spec,
     setup: Setup,
-    model: Drafter,
+    model: Drafter | None,
     target_model: torch.nn.Module | None,
     readers: list,
     held: list,
 ) -> tuple[dict, dict | None]:
     """Every suite decoded by the engine (if configured) and by eaglet (if the target is loaded
     here, `target_model`): the per-suite metrics."""
-    cfg = spec.values.evaluate
+    cfg, method = settings(spec, setup)
     tokenizer = load_tokenizer(setup.target)
     if target_model is not None:
         stop = set(stop_ids(tokenizer, target_model))
@@ -347,7 +376,9 @@ def measure_suites(
     for name, p in prompts.items():
         if not p:
             raise EagletError(f"drafters.{spec.name}: suite {name}: no prompts to decode")
-    engine = engine_metrics(spec, setup, prompts, stop) if cfg["engine"] == "vllm" else None
+    engine = (
+        engine_metrics(spec, setup, prompts, stop, cfg, method) if cfg["engine"] == "vllm" else None
+    )
     target = target_model and speculative.Target(target_model, list(model.cfg.aux_layer_ids))
     sources = {s.name: s.label for s in setup.suites} or {
         suites.OWN_SPLIT: f"drafters.{spec.name}: held-out split of its datasets"
@@ -413,27 +444,29 @@ def setup(
 
 def run(spec: Spec[EvaluateSpec], setup: Setup, out: Path) -> Path:
     """Measure the drafter as `spec` says; write the metrics folder `out` and its sidecar."""
-    from eaglet.stages import train_dflash
-
-    if train_dflash.is_dflash(setup.trained):  # its measures are not wired yet (issue 54)
+    cfg, method = settings(spec, setup)
+    dflash = method == "dflash"
+    if dflash and cfg["engine"] != "vllm":  # eaglet's own decoder drafts EAGLE-3 chains only
         raise EagletError(
-            f"drafters.{spec.name}.method: dflash: evaluate does not measure DFlash drafters "
-            "yet; serve its export (eaglet export --to vllm prints the command)"
+            f"drafters.{spec.name}.method: dflash: evaluate measures a DFlash drafter on vLLM "
+            f"only; set drafters.{spec.name}.evaluate.engine: vllm"
         )
-    cfg = spec.values.evaluate
-    own_decoder = cfg["in_process"]
+    own_decoder = cfg["in_process"] and not dflash
     if cfg["engine"] == "vllm" and not setup.engine_url:
         engine_export(spec, setup)  # before decoding: fail fast
     readers = drafter_data.open_readers(setup.states)
     _, held = drafter_data.split(readers, spec.values.heldout_fraction)
-    model = train.load(setup.trained)
-    if own_decoder:
+    model = None if dflash else train.load(setup.trained)
+    if dflash:  # the engine alone measures it: no target, no offline estimate here
+        target_model = lm_head = None
+    elif own_decoder:
         target_model = load_model(setup.target, setup.device, cfg["dtype"])
         lm_head = target_model.lm_head.weight
     else:  # the engine decodes; the offline estimate needs only the lm_head
         target_model = None
         lm_head = load_head(setup.target)[1].to(pick_device(setup.device))
-    model.to(lm_head.device)
+    if model is not None:
+        model.to(lm_head.device)
     t0 = time.monotonic()
     per_suite, engine = measure_suites(spec, setup, model, target_model, readers, held)
     reference = engine is not None and not engine.get("operator")
@@ -444,10 +477,13 @@ def run(spec: Spec[EvaluateSpec], setup: Setup, out: Path) -> Path:
         "greedy_reference": "vllm" if reference else ("eaglet" if own_decoder else None),
         "in_process": own_decoder,
         "suites": per_suite,
-        "offline": offline(model, readers, held, lm_head, cfg["num_steps"]),
+        "offline": {} if dflash else offline(model, readers, held, lm_head, cfg["num_steps"]),
         "engine": engine,
         "notes": NOTES,
     }
+    if dflash:  # EAGLE-3's metrics keep their bytes: these keys are DFlash's alone
+        metrics["method"] = "dflash"
+        metrics["notes"] = NOTES | {"dflash": DFLASH_NOTE}
     drafter_data.close_readers(readers)  # an online reader's engine
     metrics["elapsed_s"] = round(time.monotonic() - t0, 2)
     with open(setup.trained / "metrics.csv", newline="") as f:
@@ -456,6 +492,8 @@ def run(spec: Spec[EvaluateSpec], setup: Setup, out: Path) -> Path:
         write_json(tmp / "metrics.json", metrics)
         plot(metrics, rows, tmp)
         stats = summary(metrics, cfg["num_steps"])
+        if dflash:
+            stats |= {"method": "dflash", "num_steps": cfg["num_steps"][0], "note": DFLASH_NOTE}
         write_json(sidecar_of(out), {"provenance": spec.provenance(), "stats": stats})
     return out
 

@@ -1,0 +1,73 @@
+"""The evaluate stage for a DFlash drafter around the engine: its plots (engine-only metrics,
+training metrics.csv with DFlash's acc_1.. columns; EAGLE-3's start at acc_0) and its run
+(metrics.json and the sidecar)."""
+
+from eaglet.stages import evaluate
+
+
+def test_plots_take_dflash_metrics(tmp_path):
+    run = {"acceptance_length": 1.8, "acceptance_rate": [0.5, 0.4, 0.2], "greedy_equal": True}
+    metrics = {
+        "drafter": "d",
+        "suites": {"q": {"eaglet": {}, "vllm": {"temperature_0": {"num_steps_3": run}}}},
+        "offline": {},
+    }
+    rows = [
+        {"step": str(s), "loss": "2.0", "lr": "1e-3", "grad_norm": "1", "acc_1": "0.5",
+         "acc_2": "0.3", "acc_3": "0.1"}
+        for s in range(3)
+    ]  # fmt: skip
+    evaluate.plot(metrics, rows, tmp_path)
+    assert all((tmp_path / f).stat().st_size for f in ("acceptance.png", "suites.png", "loss.png"))
+
+
+def test_the_stage_writes_a_dflash_drafters_engine_metrics(tmp_path, monkeypatch):
+    """evaluate.run on a trained DFlash folder (the engine's measures stubbed): no drafter or
+    target loaded, no offline estimate, metrics.json and the sidecar say method dflash and its
+    one num_steps, block_size - 1; engine: none is refused in one line."""
+    import json
+    from types import SimpleNamespace
+
+    import pytest
+
+    from eaglet.errors import EagletError
+    from eaglet.model.dflash.config import DFlashConfig
+    from eaglet.model.dflash.train import Hyper, fit, init
+    from eaglet.stages import train_dflash
+
+    from ...hidden_fixture import TINY, bundle
+
+    data = bundle(n=3, new_tokens=8)
+    cfg = DFlashConfig.from_target(TINY, target_layer_ids=[1, 3, 4], mask_token_id=5, block_size=4)
+    model = init(cfg, data["embed"], data["lm_head"], None)
+    trained = tmp_path / "trained"
+    train_dflash.save(model, trained, fit(model, data["samples"], Hyper(steps=2, batch_size=3)))
+    run = {"acceptance_length": 1.8, "acceptance_rate": [0.5, 0.4, 0.2], "greedy_equal": True}
+    per_suite = {"q": {"prompts": 2, "eaglet": {}, "vllm": {"temperature_0": {"num_steps_3": run}}}}
+    seen = {}
+
+    def measured(spec, setup, model, target_model, readers, held):
+        seen.update(model=model, target=target_model)
+        return per_suite, {"engine": "vllm"}
+
+    monkeypatch.setattr(evaluate.drafter_data, "open_readers", lambda states: [])
+    monkeypatch.setattr(evaluate.drafter_data, "split", lambda readers, f: ([], []))
+    monkeypatch.setattr(evaluate.drafter_data, "close_readers", lambda readers: None)
+    monkeypatch.setattr(evaluate, "measure_suites", measured)
+    settings = {"num_steps": [3, 7], "temperatures": [0.0], "engine": "vllm", "in_process": True}
+    spec = SimpleNamespace(
+        name="d",
+        values=SimpleNamespace(evaluate=settings, heldout_fraction=0.1),
+        provenance=lambda: {"stage": "test"},
+    )
+    setup = SimpleNamespace(trained=trained, states=None, engine_url="http://engine")
+    out = evaluate.run(spec, setup, tmp_path / "out")
+    metrics = json.loads((out / "metrics.json").read_text())
+    assert seen == {"model": None, "target": None}
+    assert metrics["method"] == "dflash" and metrics["offline"] == {}
+    assert not metrics["in_process"] and "dflash" in metrics["notes"]
+    stats = json.loads(evaluate.sidecar_of(out).read_text())["stats"]
+    assert (stats["method"], stats["num_steps"], stats["acceptance_length"]) == ("dflash", 3, 1.8)
+    settings["engine"] = "none"
+    with pytest.raises(EagletError, match="engine: vllm"):
+        evaluate.run(spec, setup, tmp_path / "none")
