@@ -8,9 +8,12 @@ engine's own reasoning and tool-call parsers (vLLM's, where installed; else eagl
 the grammar, and the sidecar says which), in the mode the target is served in, to what was
 received. One that does not stops the stage naming the record.
 
-Only the grammar's own markers are written as their ids; the answer's text pieces are tokenized
-with special-token matching off: text that holds `</think>` was written by the model as plain
-tokens (a marker it emitted would have been consumed by the server's parser). When such text
+Only the grammar's own markers are written as their ids; in the answer's text pieces a marker's
+text is plain tokens: text that holds `</think>` was written by the model as plain tokens (a
+marker it emitted would have been consumed by the server's parser). Any other special token's
+text is that token: a server renders an emitted special id as its text when it keeps special
+tokens (vLLM does for Kimi's tool parser), and a model spells `<|reserved_token_5|>` in plain
+characters far more rarely than it emits the id; the drift check stands behind both. When such text
 makes the parsers read the stream otherwise, the record cannot be written as the model's stream:
 it is `Unwritable`, counted and skipped with its reason (or kept as plain tokens, by
 `generation.marker_text: keep`), never a stop of the dataset.
@@ -23,6 +26,7 @@ gap per dataset is the drift a stage checks against `generation.max_token_drift`
 from __future__ import annotations
 
 import contextlib
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -62,6 +66,29 @@ def plain_ids(tokenizer: Any, text: str, added: dict[int, str]) -> list[int]:
             f"{type(tokenizer).__name__} tokenizes the text {found[0]!r} as its special token "
             "even with special-token matching off"
         )
+    return ids
+
+
+def text_ids(
+    tokenizer: Any, text: str, added: dict[int, str], markers: tuple[str, ...]
+) -> list[int]:
+    """A text piece of an answer as the model emitted it: each added token's text that is not
+    one of the grammar's `markers` as that token (as the tokenizer itself reads it), the rest
+    (markers' text included) as plain tokens."""
+    specials = {t: i for i, t in added.items() if t not in markers}
+    found = [t for t in specials if t in text]
+    if not found:
+        return plain_ids(tokenizer, text, added)
+    cut = re.compile("|".join(re.escape(t) for t in sorted(found, key=len, reverse=True)))
+    ids: list[int] = []
+    start = 0
+    for m in cut.finditer(text):
+        if m.start() > start:
+            ids += plain_ids(tokenizer, text[start : m.start()], added)
+        ids.append(specials[m.group()])
+        start = m.end()
+    if start < len(text):
+        ids += plain_ids(tokenizer, text[start:], added)
     return ids
 
 
@@ -196,7 +223,10 @@ class Writer:
         markers, added = self.marker_ids(), added_ids(self.tokenizer)
         ids: list[int] = []
         for field, text in pieces:
-            ids += [markers[text]] if field == MARKER else plain_ids(self.tokenizer, text, added)
+            if field == MARKER:
+                ids.append(markers[text])
+            else:
+                ids += text_ids(self.tokenizer, text, added, self.grammar.markers)
         decoded = self.tokenizer.decode(ids, skip_special_tokens=False)
         if answer.finished:
             decoded = decoded.removesuffix(self.grammar.end)

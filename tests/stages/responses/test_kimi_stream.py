@@ -193,10 +193,11 @@ def test_a_literal_marker_kept_is_the_models_plain_tokens(kimi, tok, project, mo
     assert read_json(keys.sidecar("responses", "chat"))["stats"]["unwritable"]["count"] == 0
 
 
-def test_marker_text_in_instant_mode_reads_back_and_special_text_is_plain(tok):
+def test_marker_text_in_instant_mode_reads_back_and_other_special_text_is_the_token(tok):
     """With thinking off the parsers have no `</think>`: an answer about it is written and read
-    back as it was received; a role marker in the text (`<|im_user|>`, not the grammar's) is
-    plain tokens too, never the special id."""
+    back as it was received, the marker's text as plain tokens. Another special token's text
+    (`<|im_user|>`, not the grammar's) is that token: a server that keeps special tokens renders
+    an emitted id so (formats/stream.py)."""
     text = "Close with </think>; roles start <|im_user|>."
     rec = {
         "id": "q",
@@ -207,9 +208,11 @@ def test_marker_text_in_instant_mode_reads_back_and_special_text_is_plain(tok):
         "chat_template_kwargs": {"thinking": False},
     }
     ids = Writer(tok, grammar("kimi_k2")).output_ids(rec)
-    emitted = stream_ids(tok, [Plain(text), "<|im_end|>"])
+    emitted = stream_ids(
+        tok, [Plain("Close with </think>; roles start "), "<|im_user|>", Plain("."), "<|im_end|>"]
+    )
     assert ids == emitted
-    assert tok.convert_tokens_to_ids("<|im_user|>") not in ids
+    assert tok.convert_tokens_to_ids("</think>") not in ids
     assert agrees(_read_back(tok, {"output_ids": ids}, thinking=False), Answer.of(rec)) is None
 
 
