@@ -23,6 +23,7 @@ from pathlib import Path
 
 import torch
 
+from benchmarks.common import pressure
 from eaglet.formats.chat import stop_ids
 from eaglet.graph.keys import Keys
 from eaglet.model import speculative
@@ -37,13 +38,6 @@ from eaglet.stages import (
 )
 
 ROOT = Path(__file__).resolve().parents[1]
-
-
-def pressure() -> str:
-    try:
-        return Path("/proc/pressure/cpu").read_text().splitlines()[0]
-    except OSError:
-        return "n/a"
 
 
 def main() -> None:

@@ -179,3 +179,11 @@ def differs(text: dict, resolved: dict) -> dict:
         fields = (*(f for f in FIELDS if f != "head_dim"), *MLA)
         target |= {f: text.get(f) for f in MLA}
     return {f: target[f] for f in fields if target[f] != resolved[f]}
+
+
+def served_rope_scaling(rope_scaling: dict | None) -> dict | None:
+    """rope_scaling as an export's config.json writes it: both spellings of the kind, since
+    engines and transformers versions read one or the other."""
+    if rope_scaling is None:
+        return None
+    return {**rope_scaling, "type": rope_scaling["rope_type"]}

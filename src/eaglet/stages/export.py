@@ -50,7 +50,7 @@ from eaglet.formats.atomic import atomic_path
 from eaglet.formats.io import read_json, write_json
 from eaglet.graph.code import Code
 from eaglet.graph.keys import Keys, Spec, sidecar_of
-from eaglet.model.arch import FIELDS, MLA, rope
+from eaglet.model.arch import FIELDS, MLA, rope, served_rope_scaling
 from eaglet.model.drafter import Drafter, DrafterConfig
 from eaglet.stages import train
 from eaglet.stages.export_spec import ExportSpec
@@ -101,12 +101,7 @@ def layer_config(cfg: DrafterConfig) -> dict:
         "head_dim": cfg.head_dim,
         "rms_norm_eps": cfg.rms_norm_eps,
         "rope_theta": cfg.rope_theta,
-        # both spellings of the kind: engines and transformers versions read one or the other
-        "rope_scaling": (
-            None
-            if cfg.rope_scaling is None
-            else {**cfg.rope_scaling, "type": cfg.rope_scaling["rope_type"]}
-        ),
+        "rope_scaling": served_rope_scaling(cfg.rope_scaling),
         "max_position_embeddings": cfg.max_position_embeddings,
         "vocab_size": cfg.vocab_size,
         "attention_bias": False,

@@ -22,6 +22,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from eaglet.formats.io import read_json, write_json
+from eaglet.model.arch import served_rope_scaling
 from eaglet.model.dflash.config import DFlashConfig
 from eaglet.model.dflash.model import DFlash
 
@@ -42,11 +43,7 @@ def config_json(cfg: DFlashConfig) -> dict:
         "head_dim": cfg.head_dim,  # Qwen3Config's default is 128
         "rms_norm_eps": cfg.rms_norm_eps,
         "rope_theta": cfg.rope_theta,
-        "rope_scaling": (
-            None
-            if cfg.rope_scaling is None
-            else {**cfg.rope_scaling, "type": cfg.rope_scaling["rope_type"]}
-        ),
+        "rope_scaling": served_rope_scaling(cfg.rope_scaling),
         # vLLM 0.32 does not raise it for dflash: it bounds max-model-len + B
         "max_position_embeddings": cfg.max_position_embeddings,
         "vocab_size": cfg.vocab_size,
