@@ -233,10 +233,19 @@ def test_gc_removes_other_keys_leftovers_and_caches_but_not_the_current_ones(tmp
     for d in (current, old, cache / ".rank-0.partial", old_cache / ".rank-0.partial"):
         (d / "journal").mkdir(parents=True)
     tmp.write_bytes(b"half")
+    inside = current / "journal" / ".shard-0.tmp-x2"  # a write the resumed folder's build left
+    inside.write_bytes(b"half")
     planned = {a.path: a.state for a in gc(keys, dry_run=True)}
-    assert planned == {old: "unfinished", tmp: "unfinished", old_cache: "cache"}
+    assert planned == {
+        old: "unfinished",
+        tmp: "unfinished",
+        old_cache: "cache",
+        inside: "unfinished",
+    }
+    with locks.hold(lock_of(hidden), "eaglet hidden a"):  # its build runs: nothing of it goes
+        assert inside not in {a.path for a in gc(keys, dry_run=True)}
     gc(keys)
-    assert current.is_dir() and cache.is_dir()
+    assert current.is_dir() and cache.is_dir() and not inside.exists()
     assert not old.exists() and not tmp.exists() and not old_cache.exists()
     assert keys.path("responses", "a").exists()
 

@@ -94,9 +94,10 @@ def scan(keys: Keys) -> list[Artifact]:
 
 
 def _leftovers(stage: str, name: str, folder: Path, current: str) -> list[Artifact]:
-    """What interrupted builds left (of other keys; of the current key, what no rerun reads),
-    and hybrid caches (`<key>.cache/`, beside a hidden directory) of other keys; none has a
-    sidecar."""
+    """What interrupted builds left (of other keys; of the current key, what no rerun reads:
+    its temporaries, also those inside the partial or work folder a rerun resumes from), and
+    hybrid caches (`<key>.cache/`, beside a hidden directory) of other keys; none has a
+    sidecar (the `sidecar` named is in the stage's folder, where the key's lock is)."""
     found = []
     for pattern, state in ((LEFTOVER_RE, "unfinished"), (CACHE_RE, "cache")):
         for left in sorted(folder.iterdir()):
@@ -105,13 +106,17 @@ def _leftovers(stage: str, name: str, folder: Path, current: str) -> list[Artifa
             if m and (m["key"] != current or not resumed):
                 nothing = left.with_name(f"{left.name}.json")
                 found.append(Artifact(stage, name, m["key"], left, nothing, state))
+            elif m and state == "unfinished" and left.is_dir():
+                for tmp in sorted(left.rglob(".*.tmp-*")):  # a write killed half-way
+                    nothing = folder / f"{tmp.name}.json"
+                    found.append(Artifact(stage, name, m["key"], tmp, nothing, state))
     return found
 
 
 def _lock(a: Artifact) -> Path:
-    """The lock a build of `a`'s key holds (graph.keys.build)."""
+    """The lock a build of `a`'s key holds (graph.keys.build), beside its sidecar."""
     ext = STAGES[a.stage].ext
-    return lock_of(a.path.parent / (a.key if ext == "/" else f"{a.key}{ext}"))
+    return lock_of(a.sidecar.parent / (a.key if ext == "/" else f"{a.key}{ext}"))
 
 
 def _building(a: Artifact) -> bool:
