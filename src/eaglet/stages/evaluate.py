@@ -30,6 +30,8 @@ from eaglet.engines.vllm import ServeConfig, target_stop_ids
 from eaglet.errors import EagletError
 from eaglet.formats.atomic import atomic_path
 from eaglet.formats.chat import stop_ids
+from eaglet.formats.dflash import DFLASH_CONFIG, is_dflash
+from eaglet.formats.drafter import load_drafter
 from eaglet.formats.io import write_json
 from eaglet.graph.code import Code
 from eaglet.graph.keys import Keys, Spec, sidecar_of
@@ -159,12 +161,11 @@ def settings(spec: Spec, setup: Setup) -> tuple[dict, str]:
     drafter drafts block_size - 1 tokens a round: that is its one num_steps, whatever
     evaluate.num_steps lists."""
     from eaglet.formats.io import read_json
-    from eaglet.stages import train_dflash
 
     cfg = spec.values.evaluate
-    if not train_dflash.is_dflash(setup.trained):
+    if not is_dflash(setup.trained):
         return cfg, "eagle3"
-    block = read_json(setup.trained / train_dflash.CONFIG)["block_size"]
+    block = read_json(setup.trained / DFLASH_CONFIG)["block_size"]
     return dict(cfg, num_steps=[block - 1]), "dflash"
 
 
@@ -227,7 +228,7 @@ CODE = Code(
         "eaglet.engines.vllm:eagle3",
         "eaglet.engines.vllm:dflash",
         "eaglet.engines.vllm_plugin",
-        "eaglet.stages.train:load",
+        "eaglet.formats.drafter:load_drafter",
         "eaglet.stages.train:Run",
         "eaglet.stages.train:step_masks",
         "eaglet.stages.train:prepare",
@@ -456,7 +457,7 @@ def run(spec: Spec[EvaluateSpec], setup: Setup, out: Path) -> Path:
         engine_export(spec, setup)  # before decoding: fail fast
     readers = drafter_data.open_readers(setup.states)
     _, held = drafter_data.split(readers, spec.values.heldout_fraction)
-    model = None if dflash else train.load(setup.trained)
+    model = None if dflash else load_drafter(setup.trained)
     if dflash:  # the engine alone measures it: no target, no offline estimate here
         target_model = lm_head = None
     elif own_decoder:

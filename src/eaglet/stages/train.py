@@ -17,8 +17,6 @@ rerun resumes there. Under `torchrun` it runs DDP (gloo on CPU, nccl on GPU).
 
 from __future__ import annotations
 
-import csv
-import io
 import math
 import os
 import random
@@ -32,14 +30,15 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from safetensors.torch import save_file
 from torch import Tensor
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from eaglet.device import resolve_dtype
 from eaglet.errors import EagletError
-from eaglet.formats.atomic import atomic_path, write_text
+from eaglet.formats.atomic import atomic_path
+from eaglet.formats.drafter import save_drafter
 from eaglet.formats.io import write_json
+from eaglet.formats.vocab import load_vocab
 from eaglet.graph.code import Code
 from eaglet.graph.keys import Keys, Spec, sidecar_of
 from eaglet.model import target_head, train_memory
@@ -47,7 +46,7 @@ from eaglet.model.drafter import Drafter, DrafterConfig, Score, recomputed
 from eaglet.model.target import TargetSpec, load_head, pick_device
 from eaglet.model.target_head import TargetHead, shift
 from eaglet.progress import BEACON, Progress
-from eaglet.stages import drafter_data, mixture, vocab, warm_start
+from eaglet.stages import drafter_data, mixture, warm_start
 from eaglet.stages.train_spec import TrainSpec, warm_digest
 
 # The code that shapes this stage's bytes (eaglet.graph.code): bump the version when they change.
@@ -72,7 +71,7 @@ CODE = Code(
         "eaglet.stages.train:make_trainer",
         "eaglet.stages.train:train_step",
         "eaglet.stages.train:fit",
-        "eaglet.stages.train:save",
+        "eaglet.formats.drafter:save_drafter",
         "eaglet.model.drafter",
         "eaglet.model.target_head",
         "eaglet.model.arch",
@@ -80,7 +79,7 @@ CODE = Code(
         "eaglet.stages.drafter_data:split",
         "eaglet.stages.drafter_data:collate",
         "eaglet.stages.drafter_data:load",
-        "eaglet.stages.vocab:load",
+        "eaglet.formats.vocab:load_vocab",
         "eaglet.stages.warm_start:start_from",
         "eaglet.stages.train:chain_accepted",
         "eaglet.stages.train:accepted_counts",
@@ -92,6 +91,7 @@ CODE = Code(
         "eaglet.model.dflash.loss",
         "eaglet.model.dflash.train",
         "eaglet.stages.train_dflash",
+        "eaglet.formats.dflash",
     ),
 )
 
@@ -829,42 +829,10 @@ def fit(
     if chosen is not None:
         stats["selected"] = chosen
     if run.rank == 0:
-        save(t.model, out, t.rows, t.held_rows)
+        save_drafter(t.model, out, t.rows, t.held_rows)
         shutil.rmtree(work, ignore_errors=True)
     run.close()
     return stats
-
-
-def _csv(rows: list[dict]) -> str:
-    if not rows:
-        return ""
-    buf = io.StringIO()
-    w = csv.DictWriter(buf, fieldnames=list(rows[0]), lineterminator="\n")
-    w.writeheader()
-    w.writerows(rows)
-    return buf.getvalue()
-
-
-def save(model: Drafter, out: Path, rows: list[dict], held_rows: list[dict]) -> None:
-    """The trained drafter folder, written atomically."""
-    with atomic_path(out, directory=True) as tmp:
-        tensors = {k: v.detach().cpu().contiguous() for k, v in model.state_dict().items()}
-        save_file(tensors, str(tmp / "model.safetensors"))
-        write_json(tmp / "config.json", model.cfg.to_dict())
-        write_text(tmp / "metrics.csv", _csv(rows))
-        write_text(tmp / "heldout.csv", _csv(held_rows))
-
-
-def load(folder: str | Path, device: str = "cpu") -> Drafter:
-    """A trained drafter from its folder (model.safetensors + config.json)."""
-    from safetensors.torch import load_file
-
-    from eaglet.formats.io import read_json
-
-    folder = Path(folder)
-    model = Drafter(DrafterConfig.from_dict(read_json(folder / "config.json")))
-    model.load_state_dict(load_file(str(folder / "model.safetensors"), device=device))
-    return model.to(device).eval()
 
 
 @dataclass(frozen=True)
@@ -919,11 +887,11 @@ def run(spec: Spec[TrainSpec], setup: Setup, out: Path) -> Path:
         from eaglet.stages import train_dflash
 
         embed, lm_head = load_head(setup.target)
-        stats = train_dflash.run(spec, setup, out, embed, lm_head, vocab.load(setup.vocab)[0])
+        stats = train_dflash.run(spec, setup, out, embed, lm_head, load_vocab(setup.vocab)[0])
         write_json(sidecar_of(out), {"provenance": spec.provenance(), "stats": stats})
         return out
     readers = drafter_data.open_readers(setup.states)
-    d2t, t2d = vocab.load(setup.vocab)
+    d2t, t2d = load_vocab(setup.vocab)
     manifest = readers[0].manifest
     cfg = DrafterConfig(
         vocab_size=manifest["target"]["vocab_size"],
