@@ -19,7 +19,7 @@ import torch
 from eaglet.errors import EagletError
 from eaglet.graph.keys import Keys, resolve_stage
 from eaglet.params import Params
-from eaglet.stages.hidden import Setup
+from eaglet.stages.hidden_spec import Setup
 from eaglet.stages.turns import conversation_of
 
 Ref = tuple[int, str]  # (reader index, sample id)
