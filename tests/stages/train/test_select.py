@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from eaglet.formats.drafter import load_drafter
+from eaglet.model import ttt
 from eaglet.model.target_head import TargetHead, shift
 from eaglet.stages import drafter_data, evaluate, train
 
@@ -35,7 +36,7 @@ def full_vocab_chain(model, reader, refs, lm_head, steps: int) -> float:
     draft mapped to a target id against the argmax over the target's full vocab."""
     counts = []
     for ref in refs:
-        b = drafter_data.load([reader], [ref], 1 << 30)
+        b = ttt.load([reader], [ref], 1 << 30)
         with torch.no_grad():
             logits = model(b["aux"], b["input_ids"], steps)
             target = (b["last"].float() @ lm_head.float().T).argmax(-1)
@@ -54,7 +55,7 @@ def test_the_chain_estimates_equal_the_full_vocab_oracle(data, tmp_path):
     fit_tiny(data, tmp_path / "d", epochs=3)
     model = load_drafter(tmp_path / "d")
     reader, train_refs, held = split(data)
-    run = train.Run("float32", "cpu")
+    run = ttt.Run("float32", "cpu")
     head = TargetHead(data["lm_head"], model.t2d)
     hp = HP | {"select": SELECT}
     for refs in (train_refs, held):
