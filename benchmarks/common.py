@@ -13,6 +13,8 @@ import torch
 import yaml
 
 from eaglet.engines import vllm
+from eaglet.formats import exports
+from eaglet.formats.drafter import load_drafter
 from eaglet.formats.io import read_json, read_jsonl, write_jsonl_zst
 from eaglet.formats.records import response_record
 from eaglet.graph.keys import Keys, build, sidecar_of
@@ -154,14 +156,14 @@ def train_eaglet(a: dict, hp: dict, out: Path) -> dict:
     t0 = time.perf_counter()
     st = train.fit(**a, hp=hp, out=out / "trained", checkpoint_every=10**9, quiet=True)
     seconds = time.perf_counter() - t0
-    model = train.load(out / "trained")
+    model = load_drafter(out / "trained")
     return {"seconds": seconds, "stats": st, "model": model}
 
 
 def export_eaglet(model, verifier: dict, out: Path) -> Path:
     folder = out / "vllm"
     folder.mkdir(parents=True, exist_ok=True)
-    export.write(model, "vllm", folder, verifier, 3)
+    exports.write(model, "vllm", folder, verifier, 3)
     export.validate(folder, model)
     return folder
 

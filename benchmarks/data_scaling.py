@@ -31,6 +31,7 @@ import torch
 import yaml
 
 from benchmarks.common import fit_args, pressure
+from eaglet.formats.drafter import load_drafter
 from eaglet.formats.hidden_store import HiddenReader
 from eaglet.formats.io import read_json
 from eaglet.graph.keys import Keys, build
@@ -120,7 +121,7 @@ def main() -> None:
         refs = [(0, s) for s in held.ids]
         trained = keys.path("train", args.drafter)
         if trained.exists():
-            rows.append({"run": "the demo's drafter", **accept(train.load(trained))})
+            rows.append({"run": "the demo's drafter", **accept(load_drafter(trained))})
             evaluated = keys.path("evaluate", args.drafter) / "metrics.json"
             if evaluated.exists():
                 suite = next(iter(read_json(evaluated)["suites"].values()))
@@ -143,7 +144,7 @@ def main() -> None:
                     "steps": st["steps"],
                     "split_top1": [round(x, 3) for x in st["heldout"]["acc"]],
                     "train_s": st["elapsed_s"],
-                    **accept(train.load(Path(tmp) / run)),
+                    **accept(load_drafter(Path(tmp) / run)),
                 }
             )
             print(json.dumps(rows[-1]), flush=True)

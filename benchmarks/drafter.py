@@ -25,6 +25,7 @@ import torch
 
 from benchmarks.common import pressure
 from eaglet.formats.chat import stop_ids
+from eaglet.formats.drafter import load_drafter
 from eaglet.graph.keys import Keys
 from eaglet.model import speculative
 from eaglet.model.drafter import DrafterConfig
@@ -98,7 +99,7 @@ def main() -> None:
             f"trained {st['steps']} steps in {st['elapsed_s']:.0f} s, held-out acc per TTT step "
             f"{[round(a, 3) for a in st['heldout']['acc']]}"
         )
-        model = train.load(Path(tmp) / "budget")
+        model = load_drafter(Path(tmp) / "budget")
     target_model = load_model(spec, "cpu", "float32")
     stop = set(stop_ids(load_tokenizer(spec), target_model))
     _, held = drafter_data.split(readers, d["heldout_fraction"])

@@ -33,9 +33,10 @@ from pathlib import Path
 import torch
 
 from benchmarks.common import export_eaglet, fit_args, serve_all, train_eaglet
+from eaglet.formats.drafter import load_drafter
 from eaglet.model.target import load_config, materialize, spec_of
 from eaglet.params import load
-from eaglet.stages import drafter_data, train
+from eaglet.stages import drafter_data
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -83,7 +84,7 @@ def main() -> None:
                 continue
             out = work / f"{v}-seed{seed}"
             if name in results and (out / "trained").exists():  # trained, not yet served
-                model = train.load(out / "trained")
+                model = load_drafter(out / "trained")
             else:
                 cfg = dataclasses.replace(a["cfg"], **VARIANTS[v])
                 run = train_eaglet(a | {"cfg": cfg}, hp | {"seed": seed}, out)

@@ -2,7 +2,7 @@
 
 One optimizer-step's forward + backward of the drafter (`Drafter.forward` with `--ttt` chained
 steps, soft cross-entropy against a target distribution over the draft vocab, like
-`train.scorer`) on one random sample of T tokens, at the demo's width (SmolLM2-135M: hidden
+`ttt.scorer`) on one random sample of T tokens, at the demo's width (SmolLM2-135M: hidden
 576, 9 heads x 64, 3 kv heads, MLP 1536, vocab 49,152, draft vocab 4,096), fp32 on CPU. Each
 (variant, T) runs in a fresh process; its peak memory is the rise of the process's peak RSS
 over its RSS before the step.

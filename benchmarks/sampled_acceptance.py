@@ -27,12 +27,13 @@ import torch
 
 from eaglet.engines.vllm import Engine, ServeConfig, eagle3, spec_counters, target_stop_ids
 from eaglet.formats.chat import prompt_ids
+from eaglet.formats.drafter import load_drafter
 from eaglet.formats.io import read_jsonl
 from eaglet.graph.keys import Keys
 from eaglet.model import speculative
 from eaglet.model.target import load_model, load_tokenizer, materialize, spec_of
 from eaglet.params import load
-from eaglet.stages import engine_eval, train
+from eaglet.stages import engine_eval
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -100,7 +101,7 @@ def main() -> None:
                 r = unseeded(engine, prompts, stop, t)
             table.append({"temperature": label, "t": t, **r["counters"].summary()})
     torch.set_num_threads(args.threads)
-    drafter = train.load(Keys(params).path("train", args.drafter))
+    drafter = load_drafter(Keys(params).path("train", args.drafter))
     target = speculative.Target(load_model(spec, "cpu", "float32"), list(drafter.cfg.aux_layer_ids))
     mine = {t: own(target, drafter, prompts, stop, t, args.seeds) for t in {m["t"] for m in table}}
     for m in table:

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from eaglet.formats.dflash import save_dflash
 from eaglet.model.dflash import export
 from eaglet.model.dflash.config import DFlashConfig
 from eaglet.model.dflash.train import Hyper, fit, init
@@ -77,7 +78,7 @@ def test_evaluate_measures_a_trained_dflash_export_on_stock_vllm(tmp_path):
 
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from eaglet.stages import evaluate, train_dflash
+    from eaglet.stages import evaluate
 
     torch.manual_seed(0)
     folder = materialize(resolve("smollm2-135m-instruct"))
@@ -119,7 +120,7 @@ def test_evaluate_measures_a_trained_dflash_export_on_stock_vllm(tmp_path):
     print(f"loss {rows[0]['loss']:.3f} -> {rows[-1]['loss']:.3f}, slot accuracy {rows[-1]['acc']}")
     assert rows[-1]["loss"] < 0.5 * rows[0]["loss"]
     trained, out = tmp_path / "train", tmp_path / "dflash"
-    train_dflash.save(model, trained, rows)
+    save_dflash(model, trained, rows)
     export.write(model, out)
     exported = export.load(out, embed)
     rounds = [n for s in samples for n in chain(exported, s, s["prompt"], BLOCK - 1)]

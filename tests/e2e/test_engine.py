@@ -22,11 +22,13 @@ import torch
 
 from eaglet.engines.vllm import Engine, ServeConfig, eagle3
 from eaglet.errors import EagletError
+from eaglet.formats import exports
+from eaglet.formats.drafter import load_drafter
 from eaglet.graph.keys import Keys, build
 from eaglet.model import speculative
 from eaglet.model.drafter import Drafter
 from eaglet.model.target import materialize, resolve, spec_of
-from eaglet.stages import engine_eval, export, train
+from eaglet.stages import engine_eval
 from eaglet.stages.turns import cuts
 
 from ..cli import command, eaglet, environ
@@ -180,7 +182,7 @@ def tiny_target(tiny_drafter, tmp_path_factory) -> tuple[Path, list[list[int]], 
     saved = tiny_llama(path)
     assert torch.equal(saved.lm_head.weight, target_model.lm_head.weight)
     prompts = [s["input_ids"][:8].tolist() for s in data["samples"]]
-    drafter = train.load(folder)
+    drafter = load_drafter(folder)
     target = speculative.Target(target_model, list(drafter.cfg.aux_layer_ids))
     runs = speculative.decode(target, prompts, 24, {2}, drafter, 3)
     return path, prompts, speculative.acceptance(runs, 3) | {"tokens": [r.tokens for r in runs]}
@@ -193,7 +195,7 @@ def _serve_export(
     with i), 24 new tokens."""
     verifier = {"name_or_path": str(target), "architectures": ["LlamaForCausalLM"]}
     folder.mkdir()
-    export.write(drafter, "vllm", folder, verifier, num_steps=3)
+    exports.write(drafter, "vllm", folder, verifier, num_steps=3)
     config = ServeConfig(
         model=str(target),
         max_model_len=512,
@@ -214,7 +216,7 @@ def test_vllm_loads_the_trained_export_and_accepts_like_eaglet(tiny_drafter, tin
     (eaglet's seeds differ); the CPU build's stand-in kernel, without eaglet's vLLM plugin,
     accepted almost nothing there (1.015 against 1.6)."""
     target, prompts, oracle = tiny_target
-    drafter, t = train.load(tiny_drafter[2]), 0.01
+    drafter, t = load_drafter(tiny_drafter[2]), 0.01
     runs = _serve_export(target, drafter, tmp_path / "x", prompts, tmp_path / "l", (0, t))
     greedy, sampled = runs
     m = greedy["counters"].summary()
@@ -237,7 +239,7 @@ def test_vllm_loads_the_trained_export_and_accepts_like_eaglet(tiny_drafter, tin
 def test_vllm_export_of_random_weights_accepts_nothing(tiny_drafter, tiny_target, tmp_path):
     """A mis-wired export looks like this: it loads, and nothing is accepted."""
     target, prompts, _ = tiny_target
-    trained = train.load(tiny_drafter[2])
+    trained = load_drafter(tiny_drafter[2])
     torch.manual_seed(1)
     random = Drafter(trained.cfg)
     for name in ("embed_tokens.weight", "d2t", "t2d"):  # only the learned weights are random

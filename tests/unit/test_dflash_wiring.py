@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from eaglet.errors import EagletError
+from eaglet.formats.dflash import is_dflash, load_dflash, save_dflash
 from eaglet.graph.keys import Keys
 from eaglet.model.dflash.config import DFlashConfig
 from eaglet.model.dflash.train import Hyper, fit, init
@@ -110,10 +111,10 @@ def test_trained_folder_exports_for_both_engines(tmp_path):
     model = init(cfg, data["embed"], data["lm_head"], vocab - torch.arange(256))
     rows = fit(model, data["samples"], Hyper(steps=4, batch_size=3, anchors=8))
     trained = tmp_path / "trained"
-    train_dflash.save(model, trained, rows)
-    assert train_dflash.is_dflash(trained)
+    save_dflash(model, trained, rows)
+    assert is_dflash(trained)
     assert (trained / "metrics.csv").read_text().count("\n") == 5
-    back = train_dflash.load(trained, data["embed"])
+    back = load_dflash(trained, data["embed"])
     for name, t in model.state_dict().items():
         assert torch.equal(t, back.state_dict()[name]), name
     for fmt, engine in (("vllm", "vllm serve"), ("sglang", "sglang.launch_server")):
@@ -157,7 +158,7 @@ def test_the_stage_trains_on_the_stored_layers_it_names(tmp_path):
     )
     kept, _ = drafter_data.split([reader], 0.25)
     assert stats["samples"] == len(kept) and stats["steps"] == 6 * -(-len(kept) // 2)
-    back = train_dflash.load(out, data["embed"])
+    back = load_dflash(out, data["embed"])
     assert back.cfg.target_layer_ids == (1, 4) and back.cfg.draft_vocab_size == 512
     assert back.fc.in_features == 2 * data["config"].hidden_size
     with open(out / "metrics.csv") as f:
@@ -175,7 +176,7 @@ def test_evaluate_sets_a_dflash_drafter_to_block_size_minus_one(tmp_path):
     cfg = DFlashConfig.from_target(TINY, target_layer_ids=[1, 3, 4], mask_token_id=5, block_size=4)
     model = init(cfg, data["embed"], data["lm_head"], None)
     trained = tmp_path / "trained"
-    train_dflash.save(model, trained, fit(model, data["samples"], Hyper(steps=2, batch_size=3)))
+    save_dflash(model, trained, fit(model, data["samples"], Hyper(steps=2, batch_size=3)))
     settings = {"num_steps": [3, 7], "temperatures": [0.0]}
     spec = SimpleNamespace(values=SimpleNamespace(evaluate=settings))
     got, method = evaluate.settings(spec, SimpleNamespace(trained=trained))

@@ -9,11 +9,11 @@ import torch.nn.functional as F
 
 from eaglet.errors import EagletError
 from eaglet.graph.keys import Keys
-from eaglet.model import arch, target_head
+from eaglet.model import arch, target_head, ttt
 from eaglet.model import drafter as drafter_module
 from eaglet.model.drafter import Drafter, DrafterConfig, KVCache
 from eaglet.params import load
-from eaglet.stages import train, vocab
+from eaglet.stages import vocab
 
 from ..conftest import tiny_params, write_params
 
@@ -165,8 +165,8 @@ def test_two_ttt_steps_against_a_hand_computed_loss(monkeypatch, chunked):
     # the library: target distribution, masks, per-step sums, weighted normalized loss
     head = target_head.TargetHead(lm_head, model.t2d)
     in_vocab = head(last, target_head.shift(loss_mask, 1), [(0, "s")])
-    masks = train.step_masks(loss_mask, in_vocab, 2)
-    ce, _ = model(aux, ids, 2, train.scorer(model, masks, last, head))
+    masks = ttt.step_masks(loss_mask, in_vocab, 2)
+    ce, _ = model(aux, ids, 2, ttt.scorer(model, masks, last, head))
     counts = torch.stack([m.sum() for m in masks]).float()
     got = (torch.tensor([1.0, 0.8]) * ce / counts).sum()
 
@@ -295,7 +295,7 @@ def test_chunked_step_has_the_gradients_of_the_unchunked_step(monkeypatch, chain
     loss_mask = torch.rand(2, 13) > 0.3
     loss_mask[1, 10:] = False  # padding
     head, steps, w = target_head.TargetHead(lm_head, t2d), 3, torch.tensor([1.0, 0.8, 0.64])
-    masks = train.step_masks(
+    masks = ttt.step_masks(
         loss_mask, head(last, target_head.shift(loss_mask, 1), [(0, "a"), (0, "b")]), steps
     )
     counts = torch.stack([m.sum() for m in masks]).float()
@@ -305,7 +305,7 @@ def test_chunked_step_has_the_gradients_of_the_unchunked_step(monkeypatch, chain
     p = head.p(last.flatten(0, 1)).view(2, 13, 16)  # before: p whole, every step's logits kept
     logits = [lk[m] for lk, m in zip(model(aux, ids, steps), masks, strict=True)]
     ce = [
-        -(train.at(p, m, k + 1) * F.log_softmax(lk, -1)).sum()
+        -(ttt.at(p, m, k + 1) * F.log_softmax(lk, -1)).sum()
         for k, (lk, m) in enumerate(zip(logits, masks, strict=True))
     ]
     want = (w * torch.stack(ce) / counts).sum()
@@ -314,7 +314,7 @@ def test_chunked_step_has_the_gradients_of_the_unchunked_step(monkeypatch, chain
     monkeypatch.setattr(drafter_module, "RECOMPUTE", 0)
     monkeypatch.setattr(drafter_module, "CHAIN", chain)
     monkeypatch.setattr(target_head, "LOGITS", 3 * 16)
-    ce, _ = model(aux, ids, steps, train.scorer(model, masks, last, head))
+    ce, _ = model(aux, ids, steps, ttt.scorer(model, masks, last, head))
     got = (w * ce / counts).sum()
     g_got = torch.autograd.grad(got, params)
     assert torch.allclose(got, want, rtol=1e-6, atol=0)

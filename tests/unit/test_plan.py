@@ -11,12 +11,12 @@ import pytest
 from safetensors import safe_open
 
 from eaglet.cli import main
+from eaglet.formats import exports
 from eaglet.model import arch
 from eaglet.model.drafter import DrafterConfig
 from eaglet.model.target import text_config
 from eaglet.params import load
 from eaglet.reports import plan
-from eaglet.stages import export
 
 from ..conftest import ROOT
 
@@ -75,7 +75,7 @@ def test_the_sglang_export_config_against_the_published_kimi_drafter():
     """Field by field: the same shape; RoPE and eps differ by default (the target's), and
     the published choices are one `arch` away."""
     params = load(EXAMPLE)
-    ours = export.sglang_config(kimi_drafter(params))
+    ours = exports.sglang_config(kimi_drafter(params))
     same = [k for k in AQ_MEDAI if k not in ("rms_norm_eps", "rope_theta", "rope_scaling")]
     assert {k: ours[k] for k in same} | {"eagle_config": AQ_MEDAI["eagle_config"]} == {
         k: AQ_MEDAI[k] for k in same
@@ -85,7 +85,7 @@ def test_the_sglang_export_config_against_the_published_kimi_drafter():
     assert (ours["rms_norm_eps"], ours["rope_theta"]) == (1e-5, 50000.0)
     assert ours["rope_scaling"]["rope_type"] == "yarn" and ours["rope_scaling"]["factor"] == 64.0
     aq = {"rms_norm_eps": 1e-6, "rope_theta": 1e6, "rope_scaling": None}
-    published = export.sglang_config(kimi_drafter(params, aq))
+    published = exports.sglang_config(kimi_drafter(params, aq))
     assert all(published[k] == AQ_MEDAI[k] for k in AQ_MEDAI if k != "eagle_config")
     text, _ = text_config(json.loads(CONFIG.read_text()))
     resolved = arch.resolve(text, aq, "config.json")

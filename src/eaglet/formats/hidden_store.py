@@ -445,3 +445,20 @@ class HiddenReader:
             elif p.stat().st_size != entry["bytes"] or sha256_file(p) != entry["sha256"]:
                 problems.append(f"{entry['name']}: content differs from the manifest (sha256)")
         return problems
+
+
+TOKENS = "tokens.safetensors"
+
+
+def write_manifest_only(out: Path, manifest: dict, samples: list[dict]) -> Path:
+    """The directory of an online/hybrid hidden stage: manifest and token ids, no states."""
+    with atomic_path(out, directory=True) as tmp:
+        tensors = {}
+        for s in samples:
+            tensors[f"{s['id']}/input_ids"] = torch.as_tensor(s["input_ids"], dtype=torch.int32)
+            tensors[f"{s['id']}/loss_mask"] = torch.as_tensor(s["loss_mask"], dtype=torch.bool)
+        save_file(tensors, str(tmp / TOKENS), metadata={"format": FORMAT})
+        entry = {"name": TOKENS, "bytes": (tmp / TOKENS).stat().st_size}
+        manifest["tokens"] = entry | {"sha256": sha256_file(tmp / TOKENS)}
+        write_json(tmp / MANIFEST, manifest)
+    return out

@@ -14,12 +14,10 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch
-
 from eaglet.errors import EagletError
 from eaglet.graph.keys import Keys, resolve_stage
 from eaglet.params import Params
-from eaglet.stages.hidden import Setup
+from eaglet.stages.hidden_spec import Setup
 from eaglet.stages.turns import conversation_of
 
 Ref = tuple[int, str]  # (reader index, sample id)
@@ -102,24 +100,3 @@ def split(readers: list, fraction: float) -> tuple[list[Ref], list[Ref]]:
         for sid in r.ids:
             (held if is_heldout(sid, fraction) else train).append((i, sid))
     return train, held
-
-
-def collate(samples: list[dict], max_length: int) -> dict[str, torch.Tensor]:
-    """Right-pad samples (cut at max_length) into a batch; padding is outside the loss mask."""
-    t = min(max(len(s["input_ids"]) for s in samples), max_length)
-    b, h = len(samples), samples[0]["last"].shape[-1]
-    batch = {
-        "input_ids": torch.zeros(b, t, dtype=torch.long),
-        "loss_mask": torch.zeros(b, t, dtype=torch.bool),
-        "aux": torch.zeros(b, t, 3, h, dtype=torch.float32),
-        "last": torch.zeros(b, t, h, dtype=torch.float32),
-    }
-    for i, s in enumerate(samples):
-        n = min(len(s["input_ids"]), t)
-        for name in batch:
-            batch[name][i, :n] = s[name][:n]
-    return batch
-
-
-def load(readers: list, refs: list[Ref], max_length: int) -> dict[str, torch.Tensor]:
-    return collate([readers[i].get(sid) for i, sid in refs], max_length)

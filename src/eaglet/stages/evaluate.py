@@ -30,10 +30,12 @@ from eaglet.engines.vllm import ServeConfig, target_stop_ids
 from eaglet.errors import EagletError
 from eaglet.formats.atomic import atomic_path
 from eaglet.formats.chat import stop_ids
+from eaglet.formats.dflash import DFLASH_CONFIG, is_dflash
+from eaglet.formats.drafter import load_drafter
 from eaglet.formats.io import write_json
 from eaglet.graph.code import Code
 from eaglet.graph.keys import Keys, Spec, sidecar_of
-from eaglet.model import speculative
+from eaglet.model import speculative, ttt
 from eaglet.model.drafter import Drafter
 from eaglet.model.target import (
     TargetSpec,
@@ -45,7 +47,7 @@ from eaglet.model.target import (
 )
 from eaglet.model.target_head import TargetHead
 from eaglet.progress import Progress
-from eaglet.stages import drafter_data, engine_eval, suites, train
+from eaglet.stages import drafter_data, engine_eval, suites
 from eaglet.stages.engine_eval import temperature_key
 from eaglet.stages.evaluate_spec import EvaluateSpec
 
@@ -72,11 +74,11 @@ def offline(
     """Acceptance estimated from held-out hidden states: at every start position t whose
     token t+1 is an assistant token, the draft chain is accepted while step k's draft equals
     the target's argmax at t+k+1 and token t+k+2 is still in the response. Training's
-    measure (train.chain_accepted) over whole samples: logits go in chunks, so a 32K-token
+    measure (ttt.chain_accepted) over whole samples: logits go in chunks, so a 32K-token
     sample never holds a [T, vocab] tensor."""
-    run = train.Run("float32", lm_head.device.type)
+    run = ttt.Run("float32", lm_head.device.type)
     head = TargetHead(lm_head, model.t2d.to(lm_head.device)).to(lm_head.device)
-    n = train.accepted_counts(model, readers, refs, head, max(num_steps), run, 4, 1 << 30)
+    n = ttt.accepted_counts(model, readers, refs, head, max(num_steps), run, 4, 1 << 30)
     out = {}
     for s in num_steps:
         kept = n.clamp(max=s)
@@ -159,12 +161,11 @@ def settings(spec: Spec, setup: Setup) -> tuple[dict, str]:
     drafter drafts block_size - 1 tokens a round: that is its one num_steps, whatever
     evaluate.num_steps lists."""
     from eaglet.formats.io import read_json
-    from eaglet.stages import train_dflash
 
     cfg = spec.values.evaluate
-    if not train_dflash.is_dflash(setup.trained):
+    if not is_dflash(setup.trained):
         return cfg, "eagle3"
-    block = read_json(setup.trained / train_dflash.CONFIG)["block_size"]
+    block = read_json(setup.trained / DFLASH_CONFIG)["block_size"]
     return dict(cfg, num_steps=[block - 1]), "dflash"
 
 
@@ -227,14 +228,14 @@ CODE = Code(
         "eaglet.engines.vllm:eagle3",
         "eaglet.engines.vllm:dflash",
         "eaglet.engines.vllm_plugin",
-        "eaglet.stages.train:load",
-        "eaglet.stages.train:Run",
-        "eaglet.stages.train:step_masks",
-        "eaglet.stages.train:prepare",
-        "eaglet.stages.train:chain_accepted",
-        "eaglet.stages.train:accepted_counts",
-        "eaglet.stages.drafter_data:collate",
-        "eaglet.stages.drafter_data:load",
+        "eaglet.formats.drafter:load_drafter",
+        "eaglet.model.ttt:Run",
+        "eaglet.model.ttt:step_masks",
+        "eaglet.model.ttt:prepare",
+        "eaglet.model.ttt:chain_accepted",
+        "eaglet.model.ttt:accepted_counts",
+        "eaglet.model.ttt:collate",
+        "eaglet.model.ttt:load",
     ),
 )
 
@@ -456,7 +457,7 @@ def run(spec: Spec[EvaluateSpec], setup: Setup, out: Path) -> Path:
         engine_export(spec, setup)  # before decoding: fail fast
     readers = drafter_data.open_readers(setup.states)
     _, held = drafter_data.split(readers, spec.values.heldout_fraction)
-    model = None if dflash else train.load(setup.trained)
+    model = None if dflash else load_drafter(setup.trained)
     if dflash:  # the engine alone measures it: no target, no offline estimate here
         target_model = lm_head = None
     elif own_decoder:

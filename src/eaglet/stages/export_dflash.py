@@ -14,11 +14,11 @@ import torch
 
 from eaglet.errors import EagletError
 from eaglet.formats.atomic import atomic_path
+from eaglet.formats.dflash import load_dflash
 from eaglet.formats.io import write_json
 from eaglet.graph.keys import sidecar_of
 from eaglet.model.dflash import export
 from eaglet.model.dflash.model import DFlash
-from eaglet.stages import train_dflash
 
 BF16_TOLERANCE = 0.1  # the export's bf16 weights against the trained fp32 ones, on a probe
 
@@ -67,7 +67,7 @@ def validate(folder: Path, reference: DFlash) -> dict:
 
 
 def run(spec, setup, out: Path) -> tuple[Path, str]:
-    model = train_dflash.load(setup.trained)
+    model = load_dflash(setup.trained)
     v = spec.values
     draft = os.path.relpath(out.resolve(), setup.root.resolve())
     command = serve_command(v.format, v.verifier, draft, model.cfg.block_size)

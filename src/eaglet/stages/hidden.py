@@ -27,7 +27,6 @@ import json
 import sys
 import time
 from collections import Counter
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -36,13 +35,20 @@ import torch
 from eaglet.engines.lookup import hidden_states
 from eaglet.errors import EagletError
 from eaglet.formats.chat import prompt_ids
-from eaglet.formats.hidden_store import FORMAT, MANIFEST, HiddenReader, PartialDir, Storage
+from eaglet.formats.hidden_store import (
+    FORMAT,
+    MANIFEST,
+    HiddenReader,
+    PartialDir,
+    Storage,
+    write_manifest_only,
+)
 from eaglet.formats.io import dumps, read_jsonl, write_json
 from eaglet.graph.code import Code
 from eaglet.graph.keys import Keys, Spec, sidecar_of
 from eaglet.model.target import TargetSpec, load_config, load_tokenizer
 from eaglet.progress import BEACON, Progress
-from eaglet.stages.hidden_spec import HiddenSpec
+from eaglet.stages.hidden_spec import HiddenSpec, Setup
 from eaglet.stages.turns import SEP, conversation_of
 
 # How each backend gets the final state: the engines give the last layer's output, and eaglet
@@ -79,7 +85,7 @@ CODE = Code(
         "eaglet.engines.vllm:VLLMHidden",
         "eaglet.engines.vllm:rms_norm",
         "eaglet.engines.hidden_connector",
-        "eaglet.stages.hidden_online:write_manifest_only",
+        "eaglet.formats.hidden_store:write_manifest_only",
     ),
 )
 
@@ -89,20 +95,6 @@ LAST_STATE = {
     "vllm": "last layer output from the engine, final norm applied by eaglet",
 }
 VOLATILE_CONFIG_KEYS = ("transformers_version", "_name_or_path", "_model_name_or_path", "dtype")
-
-
-@dataclass(frozen=True)
-class Setup:
-    """How the stage runs, beside its spec: where things are and how hard to work. Changes no
-    byte of the output."""
-
-    out: Path  # where the directory lands
-    responses: Path  # the upstream artifact
-    target: TargetSpec  # where the target's files are (its identity is in the spec)
-    engine: dict  # the hidden-states engine's settings (`hidden.*`, device and dtype resolved)
-    source: str  # the params file, for errors
-    threads: int | None = None
-    quiet: bool = False
 
 
 def setup(
@@ -405,8 +397,6 @@ def run(spec: Spec[HiddenSpec], setup: Setup, out: Path) -> Path:
     storage = Storage(v.dtype, v.storage["compress"], v.storage["fp8"])
     n_aux, hidden = len(ids), target.config.hidden_size
     if v.mode != "offline":  # the states come from the engine at training
-        from eaglet.stages.hidden_online import write_manifest_only
-
         manifest = _manifest(spec, target, storage, v.compute.get("dtype"), [], stats)
         manifest["samples"] = [_sample_meta(s, None) for s in samples]
         write_json(sidecar_of(out), {"provenance": spec.provenance(), "stats": stats})

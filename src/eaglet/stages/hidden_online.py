@@ -32,18 +32,13 @@ import time
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 from types import SimpleNamespace
-from typing import TYPE_CHECKING
 
-import torch
 from safetensors import safe_open
-from safetensors.torch import save_file
 
 from eaglet.errors import EagletError
-from eaglet.formats.atomic import atomic_path
 from eaglet.formats.hidden_store import (
-    FORMAT,
     JOURNAL,
-    MANIFEST,
+    TOKENS,
     HiddenReader,
     PartialDir,
     Storage,
@@ -51,27 +46,10 @@ from eaglet.formats.hidden_store import (
     encode,
     sha256_file,
 )
-from eaglet.formats.io import dumps, write_json
+from eaglet.formats.io import dumps
+from eaglet.stages.hidden_spec import Setup
 
-if TYPE_CHECKING:
-    from eaglet.stages.hidden import Setup
-
-TOKENS = "tokens.safetensors"
 Ref = tuple[int, str]
-
-
-def write_manifest_only(out: Path, manifest: dict, samples: list[dict]) -> Path:
-    """The directory of an online/hybrid hidden stage: manifest and token ids, no states."""
-    with atomic_path(out, directory=True) as tmp:
-        tensors = {}
-        for s in samples:
-            tensors[f"{s['id']}/input_ids"] = torch.as_tensor(s["input_ids"], dtype=torch.int32)
-            tensors[f"{s['id']}/loss_mask"] = torch.as_tensor(s["loss_mask"], dtype=torch.bool)
-        save_file(tensors, str(tmp / TOKENS), metadata={"format": FORMAT})
-        entry = {"name": TOKENS, "bytes": (tmp / TOKENS).stat().st_size}
-        manifest["tokens"] = entry | {"sha256": sha256_file(tmp / TOKENS)}
-        write_json(tmp / MANIFEST, manifest)
-    return out
 
 
 def _checked_tokens(base: HiddenReader) -> Path:

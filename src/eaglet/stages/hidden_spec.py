@@ -4,11 +4,12 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 from eaglet.device import device_type, resolve_dtype
 from eaglet.errors import EagletError
 from eaglet.graph.keys import Keys
-from eaglet.model.target import need
+from eaglet.model.target import TargetSpec, need
 
 
 @dataclass(frozen=True)
@@ -69,3 +70,17 @@ def sglang_layer_ids(hidden: dict) -> list[int] | None:
     if ids is None:
         return None
     return [i - 1 for i in ids] if hidden["aux_layer_convention"] == "vllm" else list(ids)
+
+
+@dataclass(frozen=True)
+class Setup:
+    """How the stage runs, beside its spec: where things are and how hard to work. Changes no
+    byte of the output."""
+
+    out: Path  # where the directory lands
+    responses: Path  # the upstream artifact
+    target: TargetSpec  # where the target's files are (its identity is in the spec)
+    engine: dict  # the hidden-states engine's settings (`hidden.*`, device and dtype resolved)
+    source: str  # the params file, for errors
+    threads: int | None = None
+    quiet: bool = False

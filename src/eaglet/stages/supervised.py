@@ -13,8 +13,8 @@ from __future__ import annotations
 import torch
 
 from eaglet.errors import EagletError
+from eaglet.model import ttt
 from eaglet.model.target_head import TargetHead, shift
-from eaglet.stages import drafter_data
 
 SAMPLES = 64  # per dataset: enough for a share to within a few percent, cheap at any scale
 
@@ -30,7 +30,7 @@ def shares(
         hits = positions = 0
         ids = reader.ids[:SAMPLES]
         for sid in ids:
-            s = drafter_data.load(readers, [(i, sid)], max_length)
+            s = ttt.load(readers, [(i, sid)], max_length)
             rows = s["last"][0][shift(s["loss_mask"], 1)[0]]
             hits += int(head.argmax_in_draft(rows).sum())
             positions += len(rows)

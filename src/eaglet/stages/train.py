@@ -17,8 +17,6 @@ rerun resumes there. Under `torchrun` it runs DDP (gloo on CPU, nccl on GPU).
 
 from __future__ import annotations
 
-import csv
-import io
 import math
 import os
 import random
@@ -30,38 +28,36 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
-import torch.nn.functional as F
-from safetensors.torch import save_file
 from torch import Tensor
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from eaglet.device import resolve_dtype
 from eaglet.errors import EagletError
-from eaglet.formats.atomic import atomic_path, write_text
+from eaglet.formats.atomic import atomic_path
+from eaglet.formats.drafter import save_drafter
 from eaglet.formats.io import write_json
+from eaglet.formats.vocab import load_vocab
 from eaglet.graph.code import Code
 from eaglet.graph.keys import Keys, Spec, sidecar_of
-from eaglet.model import target_head, train_memory
-from eaglet.model.drafter import Drafter, DrafterConfig, Score, recomputed
+from eaglet.model import train_memory, ttt
+from eaglet.model.drafter import Drafter, DrafterConfig
 from eaglet.model.target import TargetSpec, load_head, pick_device
-from eaglet.model.target_head import TargetHead, shift
+from eaglet.model.target_head import TargetHead
 from eaglet.progress import BEACON, Progress
-from eaglet.stages import drafter_data, mixture, vocab, warm_start
+from eaglet.stages import drafter_data, mixture, warm_start
 from eaglet.stages.train_spec import TrainSpec, warm_digest
 
 # The code that shapes this stage's bytes (eaglet.graph.code): bump the version when they change.
 CODE = Code(
     version=1,
     kernel=(
-        "eaglet.stages.train:step_masks",
-        "eaglet.stages.train:at",
-        "eaglet.stages.train:scorer",
+        "eaglet.model.ttt:step_masks",
+        "eaglet.model.ttt:at",
+        "eaglet.model.ttt:scorer",
         "eaglet.stages.train:overlong",
         "eaglet.stages.train:lr_factor",
-        "eaglet.stages.train:Run",
-        "eaglet.stages.train:prepare",
-        "eaglet.stages.train:ttt_batch",
+        "eaglet.model.ttt:Run",
+        "eaglet.model.ttt:prepare",
+        "eaglet.model.ttt:ttt_batch",
         "eaglet.stages.train:heldout",
         "eaglet.stages.train:Steps",
         "eaglet.stages.train:plan_steps",
@@ -72,18 +68,18 @@ CODE = Code(
         "eaglet.stages.train:make_trainer",
         "eaglet.stages.train:train_step",
         "eaglet.stages.train:fit",
-        "eaglet.stages.train:save",
+        "eaglet.formats.drafter:save_drafter",
         "eaglet.model.drafter",
         "eaglet.model.target_head",
         "eaglet.model.arch",
         "eaglet.stages.drafter_data:is_heldout",
         "eaglet.stages.drafter_data:split",
-        "eaglet.stages.drafter_data:collate",
-        "eaglet.stages.drafter_data:load",
-        "eaglet.stages.vocab:load",
+        "eaglet.model.ttt:collate",
+        "eaglet.model.ttt:load",
+        "eaglet.formats.vocab:load_vocab",
         "eaglet.stages.warm_start:start_from",
-        "eaglet.stages.train:chain_accepted",
-        "eaglet.stages.train:accepted_counts",
+        "eaglet.model.ttt:chain_accepted",
+        "eaglet.model.ttt:accepted_counts",
         "eaglet.stages.train:offline_acceptance",
         "eaglet.stages.train:select",
         # method dflash
@@ -92,55 +88,9 @@ CODE = Code(
         "eaglet.model.dflash.loss",
         "eaglet.model.dflash.train",
         "eaglet.stages.train_dflash",
+        "eaglet.formats.dflash",
     ),
 )
-
-
-def step_masks(loss_mask: Tensor, in_vocab: Tensor, steps: int) -> list[Tensor]:
-    """Where TTT step k is trained: token t+k+2 is an assistant token and the target's argmax
-    for it (at t+k+1) is in the draft vocab."""
-    return [shift(loss_mask, k + 2) & shift(in_vocab, k + 1) for k in range(steps)]
-
-
-def at(x: Tensor, mask: Tensor, n: int) -> Tensor:
-    """x[b, t + n] for every (b, t) where mask holds; mask must be False for t >= T - n."""
-    return x[:, n:][mask[:, : x.shape[1] - n]]
-
-
-def scorer(model: Drafter, masks: list[Tensor], last: Tensor, head: TargetHead) -> Score:
-    """score(k, states, start) for Drafter.forward: the summed soft cross-entropy and the count
-    of top-1 hits of TTT step k at positions start.. (its states [B, c, H] there), over the
-    positions of masks[k]; the target's distribution comes from last [B, T, Ht] one position on.
-
-    Positions go in chunks of at most LOGITS logits (target_head), each forming its logits and
-    p, using and dropping them; under autograd, when there is more than one chunk, a chunk is
-    recomputed in backward rather than kept, so memory does not grow with the draft vocab. When
-    every position read fits one chunk, p is formed once for them all and shared by the steps."""
-    rows = max(1, target_head.LOGITS // len(head.draft))
-    flat = last.flatten(0, 1)
-    index = torch.arange(len(flat), device=last.device).view(last.shape[:2])
-    read = torch.cat([at(index, mk, k + 1) for k, mk in enumerate(masks)]).unique()
-    p_read = slot = None
-    if len(read) <= rows:  # a short batch: p formed once for every position read, shared
-        slot = torch.zeros(len(flat), dtype=torch.long, device=last.device)
-        slot[read] = torch.arange(len(read), device=last.device)
-        p_read = head.p(flat[read])
-
-    def sums(state: Tensor, where: Tensor) -> tuple[Tensor, Tensor]:
-        logits = model.logits(state).float()
-        p = head.p(flat[where]) if p_read is None else p_read[slot[where]]
-        return -(p * F.log_softmax(logits, dim=-1)).sum(), (logits.argmax(-1) == p.argmax(-1)).sum()
-
-    def score(k: int, states: Tensor, start: int) -> tuple[Tensor, Tensor]:
-        span = slice(start, start + states.shape[1])
-        mask = masks[k][:, span]
-        where = (index[:, span] + k + 1)[mask]  # p of token t+k+2 sits at t+k+1
-        chunks = list(zip(states[mask].split(rows), where.split(rows), strict=True))
-        parts = [recomputed(sums, *c) if len(chunks) > 1 else sums(*c) for c in chunks]
-        # an empty step: one empty chunk
-        return torch.stack([c for c, _ in parts]).sum(), torch.stack([h for _, h in parts]).sum()
-
-    return score
 
 
 def overlong(readers: list, refs: list, hp: dict) -> tuple[list, dict]:
@@ -193,128 +143,33 @@ def lr_factor(step: int, warmup: int, total: int, min_ratio: float) -> float:
     return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
 
 
-class Run:
-    """Process group, device and precision of one training process."""
-
-    def __init__(self, dtype: str, device: str = "auto"):
-        self.world = int(os.environ.get("WORLD_SIZE", "1"))
-        self.rank = int(os.environ.get("RANK", "0"))
-        cuda = pick_device(device).startswith("cuda")
-        self.device = torch.device(f"cuda:{os.environ.get('LOCAL_RANK', '0')}" if cuda else "cpu")
-        if cuda:
-            torch.cuda.set_device(self.device)
-        if self.world > 1 and not dist.is_initialized():
-            dist.init_process_group("nccl" if cuda else "gloo")
-        self.dtype = resolve_dtype(dtype, self.device.type)
-
-    def autocast(self):
-        if self.dtype == "float32":
-            return nullcontext()
-        return torch.autocast(self.device.type, dtype=getattr(torch, self.dtype))
-
-    def sum(self, t: Tensor) -> Tensor:
-        if self.world > 1:
-            dist.all_reduce(t)
-        return t
-
-    def close(self) -> None:
-        if self.world > 1 and dist.is_initialized():
-            dist.destroy_process_group()
-
-
-def prepare(batch: dict, head: TargetHead, steps: int, device, refs: list) -> dict:
-    """Add the per-step masks (on the device) to the batch of samples `refs`; its hidden
-    states stay where they are until `ttt_batch` needs them."""
-    batch = batch | {k: batch[k].to(device) for k in ("input_ids", "loss_mask")}
-    lm = batch["loss_mask"]
-    in_vocab = head(batch["last"], shift(lm, 1), refs)  # p[t]: learnt where t+1 is an answer
-    return batch | {"masks": step_masks(lm, in_vocab, steps)}
-
-
-def ttt_batch(model, b: dict, steps: int, head: TargetHead, run: Run) -> tuple[Tensor, Tensor]:
-    """Per step (summed soft cross-entropy, top-1 hits) of the prepared batch b; `model` is the
-    drafter or its DDP wrapper. Its aux states go to the device in the compute dtype (what
-    autocast casts them to anyway), the final states in fp32."""
-    aux = b["aux"].to(run.device, getattr(torch, run.dtype))
-    drafter = model.module if isinstance(model, DDP) else model
-    with run.autocast():
-        score = scorer(drafter, b["masks"], b["last"].to(run.device), head)
-        ce, hits = model(aux, b["input_ids"], steps, score)
-    return ce, hits.float()
-
-
-def heldout(model: Drafter, readers, refs, hp: dict, head: TargetHead, run: Run) -> dict:
+def heldout(model: Drafter, readers, refs, hp: dict, head: TargetHead, run: ttt.Run) -> dict:
     """Mean per-step loss and top-1 accuracy on held-out samples."""
     steps = hp["ttt_length"]
     ce, hits, n = torch.zeros(steps), torch.zeros(steps), torch.zeros(steps)
     bs = hp["batch_size"]
     with torch.no_grad():
         for i in range(0, len(refs), bs):
-            batch = drafter_data.load(readers, refs[i : i + bs], hp["max_length"])
-            b = prepare(batch, head, steps, run.device, refs[i : i + bs])
-            c, h = ttt_batch(model, b, steps, head, run)
+            batch = ttt.load(readers, refs[i : i + bs], hp["max_length"])
+            b = ttt.prepare(batch, head, steps, run.device, refs[i : i + bs])
+            c, h = ttt.ttt_batch(model, b, steps, head, run)
             ce, hits = ce + c.cpu(), hits + h.cpu()
             n += torch.stack([m.sum() for m in b["masks"]]).float().cpu()
     n = n.clamp(min=1)
     return {"loss": (ce / n).tolist(), "acc": (hits / n).tolist(), "positions": int(n[0])}
 
 
-def chain_accepted(model: Drafter, b: dict, steps: int, head: TargetHead, run: Run) -> Tensor:
-    """Per start position of the prepared batch b (token t+1 and t+2 are answer tokens): how
-    many of `steps` chained drafts from t are accepted, each equal to the target's argmax
-    (teacher-forced over the stored states, as greedy chain decoding of the target's own
-    answers sees them). Positions and logits go in chunks, as in training."""
-    masks, last, lm = b["masks"], b["last"].to(run.device), b["loss_mask"]
-    hits = torch.zeros((steps, *lm.shape), dtype=torch.bool, device=run.device)
-    flat = last.flatten(0, 1)
-    index = torch.arange(len(flat), device=run.device).view(last.shape[:2])
-    rows = max(1, target_head.LOGITS // len(head.draft))
-    zero = torch.zeros((), device=run.device)
-
-    def score(k: int, states: Tensor, start: int) -> tuple[Tensor, Tensor]:
-        span = slice(start, start + states.shape[1])
-        mask = masks[k][:, span]
-        where = (index[:, span] + k + 1)[mask]  # the target's next token after draft k
-        same = [
-            model.logits(s).float().argmax(-1) == head.p(flat[w]).argmax(-1)
-            for s, w in zip(states[mask].split(rows), where.split(rows), strict=True)
-        ]
-        hits[k, :, span][mask] = torch.cat(same)
-        return zero, zero
-
-    aux = b["aux"].to(run.device, getattr(torch, run.dtype))
-    with torch.no_grad(), run.autocast():
-        model(aux, b["input_ids"], steps, score)
-    chain = torch.ones_like(lm)
-    count = torch.zeros(lm.shape, dtype=torch.long, device=run.device)
-    for k in range(steps):
-        chain = chain & hits[k]
-        count += chain
-    return count[shift(lm, 1) & shift(lm, 2)].cpu()
-
-
-def accepted_counts(
-    model: Drafter, readers, refs, head: TargetHead, steps: int, run: Run, batch: int, length: int
-) -> Tensor:
-    """chain_accepted over the samples `refs`, `batch` samples at a time, each cut at `length`
-    tokens: one count per answer start position."""
-    counts = []
-    for i in range(0, len(refs), batch):
-        part = refs[i : i + batch]
-        b = prepare(drafter_data.load(readers, part, length), head, steps, run.device, part)
-        counts.append(chain_accepted(model, b, steps, head, run))
-    return torch.cat(counts) if counts else torch.zeros(0, dtype=torch.long)
-
-
 def offline_acceptance(model: Drafter, readers, refs, hp: dict, head: TargetHead, run) -> float:
     """Offline acceptance length of `select.num_steps` chained drafts over the samples `refs`:
     1 + the mean accepted count over every answer start position."""
     steps = hp["select"]["num_steps"]
-    n = accepted_counts(model, readers, refs, head, steps, run, hp["batch_size"], hp["max_length"])
+    n = ttt.accepted_counts(
+        model, readers, refs, head, steps, run, hp["batch_size"], hp["max_length"]
+    )
     return float(1 + n.float().mean()) if len(n) else 1.0
 
 
-def select(t: Trainer, readers, held: list, hp: dict, run: Run, step: int, epoch: int) -> None:
+def select(t: Trainer, readers, held: list, hp: dict, run: ttt.Run, step: int, epoch: int) -> None:
     """At an epoch end: the offline acceptance on the held-out split goes to the epoch's row of
     heldout.csv; the weights are kept when it is the best so far (the earliest on a tie)."""
     value = offline_acceptance(t.model, readers, held, hp, t.head, run)
@@ -353,7 +208,7 @@ class Steps:
     per_step: int  # samples in one global batch (batch_size x grad_accum x processes)
     total: int
     seed: int
-    run: Run
+    run: ttt.Run
     weights: list | None = None
     phases: list[Phase] | None = None
     _order: dict[tuple[int, int], list] = field(default_factory=dict)  # the current epoch's
@@ -473,7 +328,7 @@ def dataset_names(readers: list, hp: dict) -> list[str]:
     return [r.manifest.get("dataset") or f"dataset{i}" for i, r in enumerate(readers)]
 
 
-def plan_steps(readers: list, hp: dict, run: Run) -> tuple[Steps, dict]:
+def plan_steps(readers: list, hp: dict, run: ttt.Run) -> tuple[Steps, dict]:
     """The run's steps over the train/held-out split, and what overlong samples cost."""
     split_train, held_refs = drafter_data.split(readers, hp["heldout_fraction"])
     train_refs, long_train = overlong(readers, split_train, hp)
@@ -572,7 +427,7 @@ def make_trainer(
     tensors: dict[str, Tensor],
     hp: dict,
     total: int,
-    run: Run,
+    run: ttt.Run,
     init: Drafter | None = None,
     lr_scale=None,
 ) -> Trainer:
@@ -601,7 +456,7 @@ def make_trainer(
     return Trainer(model, ddp, head.to(run.device), opt, sched, warm)
 
 
-def resume(ckpt: Path, t: Trainer, hp: dict, run: Run) -> int:
+def resume(ckpt: Path, t: Trainer, hp: dict, run: ttt.Run) -> int:
     """Restore `t` and the RNGs from the checkpoint if there is one: the step to start at."""
     if not ckpt.exists():
         return 0
@@ -650,7 +505,7 @@ def save_checkpoint(
 
 
 def train_step(
-    t: Trainer, readers: list, refs: list, hp: dict, run: Run, step: int = 0
+    t: Trainer, readers: list, refs: list, hp: dict, run: ttt.Run, step: int = 0
 ) -> tuple[dict, int]:
     """One optimizer step over this process's `refs` (micro-batches accumulated, gradients
     all-reduced once): its log row (without step and epoch) and the tokens trained.
@@ -663,7 +518,7 @@ def train_step(
     weights = torch.tensor([hp["step_weight"] ** k for k in range(steps)])
     parts = [refs[i : i + bs] for i in range(0, len(refs), bs)]
     micro = [
-        prepare(drafter_data.load(readers, part, hp["max_length"]), t.head, steps, run.device, part)
+        ttt.prepare(ttt.load(readers, part, hp["max_length"]), t.head, steps, run.device, part)
         for part in parts
     ]
     counts = torch.stack([torch.stack([m.sum() for m in b["masks"]]) for b in micro]).sum(0)
@@ -674,7 +529,7 @@ def train_step(
     for j, b in enumerate(micro):
         sync = j == len(micro) - 1 or run.world == 1
         with nullcontext() if sync else t.ddp.no_sync():  # all-reduce grads once per step
-            ce, hits = ttt_batch(t.ddp, b, steps, t.head, run)
+            ce, hits = ttt.ttt_batch(t.ddp, b, steps, t.head, run)
             # DDP averages gradients over processes; counts are global, so scale back
             loss = (weights.to(ce.device) * ce / counts.to(ce.device)).sum() * run.world
             loss.backward()
@@ -754,7 +609,7 @@ def fit(
     model.safetensors, config.json, metrics.csv, heldout.csv). `tensors` holds the target's
     embed and lm_head and the vocab maps d2t, t2d; `init`, a drafter to start from. Resumes
     from `out`'s work folder."""
-    run = Run(hp["dtype"], device)
+    run = ttt.Run(hp["dtype"], device)
     steps, long = plan_steps(readers, hp, run)
     t = make_trainer(cfg, tensors, hp, steps.total, run, init, steps.lr_scale)
     work = out.parent / f".{out.name}.work"
@@ -829,42 +684,10 @@ def fit(
     if chosen is not None:
         stats["selected"] = chosen
     if run.rank == 0:
-        save(t.model, out, t.rows, t.held_rows)
+        save_drafter(t.model, out, t.rows, t.held_rows)
         shutil.rmtree(work, ignore_errors=True)
     run.close()
     return stats
-
-
-def _csv(rows: list[dict]) -> str:
-    if not rows:
-        return ""
-    buf = io.StringIO()
-    w = csv.DictWriter(buf, fieldnames=list(rows[0]), lineterminator="\n")
-    w.writeheader()
-    w.writerows(rows)
-    return buf.getvalue()
-
-
-def save(model: Drafter, out: Path, rows: list[dict], held_rows: list[dict]) -> None:
-    """The trained drafter folder, written atomically."""
-    with atomic_path(out, directory=True) as tmp:
-        tensors = {k: v.detach().cpu().contiguous() for k, v in model.state_dict().items()}
-        save_file(tensors, str(tmp / "model.safetensors"))
-        write_json(tmp / "config.json", model.cfg.to_dict())
-        write_text(tmp / "metrics.csv", _csv(rows))
-        write_text(tmp / "heldout.csv", _csv(held_rows))
-
-
-def load(folder: str | Path, device: str = "cpu") -> Drafter:
-    """A trained drafter from its folder (model.safetensors + config.json)."""
-    from safetensors.torch import load_file
-
-    from eaglet.formats.io import read_json
-
-    folder = Path(folder)
-    model = Drafter(DrafterConfig.from_dict(read_json(folder / "config.json")))
-    model.load_state_dict(load_file(str(folder / "model.safetensors"), device=device))
-    return model.to(device).eval()
 
 
 @dataclass(frozen=True)
@@ -919,11 +742,11 @@ def run(spec: Spec[TrainSpec], setup: Setup, out: Path) -> Path:
         from eaglet.stages import train_dflash
 
         embed, lm_head = load_head(setup.target)
-        stats = train_dflash.run(spec, setup, out, embed, lm_head, vocab.load(setup.vocab)[0])
+        stats = train_dflash.run(spec, setup, out, embed, lm_head, load_vocab(setup.vocab)[0])
         write_json(sidecar_of(out), {"provenance": spec.provenance(), "stats": stats})
         return out
     readers = drafter_data.open_readers(setup.states)
-    d2t, t2d = vocab.load(setup.vocab)
+    d2t, t2d = load_vocab(setup.vocab)
     manifest = readers[0].manifest
     cfg = DrafterConfig(
         vocab_size=manifest["target"]["vocab_size"],

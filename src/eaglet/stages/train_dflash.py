@@ -7,27 +7,16 @@ kernel parts are listed in train's CODE."""
 
 from __future__ import annotations
 
-import csv
-import io
 import math
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
 
 from eaglet.errors import EagletError
-from eaglet.formats.atomic import atomic_path, write_text
-from eaglet.formats.io import read_json, write_json
+from eaglet.formats.dflash import save_dflash
 from eaglet.model.dflash.config import DFlashConfig
-from eaglet.model.dflash.model import DFlash
 from eaglet.model.dflash.train import Hyper, fit, init
 from eaglet.stages import drafter_data
-
-CONFIG = "dflash.json"
-
-
-def is_dflash(folder: Path) -> bool:
-    return (Path(folder) / CONFIG).is_file()
 
 
 def samples(readers: list, refs: list, layers: list[int], max_length: int) -> list[dict]:
@@ -110,7 +99,7 @@ def train(readers: list, v, where: str, out: Path, embed, lm_head, d2t) -> dict:
     )
     model = init(cfg, embed.float(), lm_head.float(), None if full else d2t)
     rows = fit(model, data, hyper(v.train, section, len(data)))
-    save(model, out, rows)
+    save_dflash(model, out, rows)
     final = rows[-1]["loss"] if rows else None
     return {"samples": len(data), "steps": len(rows), "final_loss": final}
 
@@ -126,47 +115,3 @@ LAYER_FIELDS = (
     "max_position_embeddings",
     "rope_scaling",
 )
-
-
-def save(model: DFlash, out: Path, rows: list[dict]) -> None:
-    with atomic_path(out, directory=True) as tmp:
-        write_json(tmp / CONFIG, model.cfg.to_dict())
-        state = {k: t.detach().cpu().contiguous() for k, t in model.state_dict().items()}
-        del state["embed_tokens.weight"]
-        save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
-        buf = io.StringIO()
-        w = csv.writer(buf)
-        w.writerow(
-            [
-                "step",
-                "loss",
-                "lr",
-                "grad_norm",
-                *[f"acc_{k}" for k in range(1, model.cfg.block_size)],
-            ]
-        )
-        for r in rows:
-            w.writerow(
-                [
-                    r["step"],
-                    f"{r['loss']:.6g}",
-                    f"{r['lr']:.6g}",
-                    f"{r['grad_norm']:.6g}",
-                    *(f"{a:.4f}" for a in r["acc"]),
-                ]
-            )
-        write_text(tmp / "metrics.csv", buf.getvalue())
-
-
-def load(folder: Path, embed: torch.Tensor | None = None) -> DFlash:
-    """A trained DFlash folder back as the module (fp32), the target's embeddings given apart."""
-    model = DFlash(DFlashConfig.from_dict(read_json(Path(folder) / CONFIG)))
-    state = load_file(str(Path(folder) / "model.safetensors"))
-    missing, unexpected = model.load_state_dict(state, strict=False)
-    if set(missing) != {"embed_tokens.weight"} or unexpected:
-        raise EagletError(
-            f"{folder}: not a DFlash drafter (missing {missing}, unexpected {unexpected})"
-        )
-    if embed is not None:
-        model.embed_tokens.weight.data.copy_(embed)
-    return model.eval()

@@ -11,11 +11,10 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
 
 from eaglet.errors import EagletError
-from eaglet.formats.atomic import atomic_path
 from eaglet.formats.io import write_json
+from eaglet.formats.vocab import write_vocab
 from eaglet.graph.code import Code
 from eaglet.graph.keys import Keys, Spec, sidecar_of
 from eaglet.stages.drafter_data import States, open_readers, states
@@ -63,12 +62,6 @@ def select(counts: torch.Tensor, size: int) -> tuple[torch.Tensor, torch.Tensor]
     return ids - torch.arange(size), t2d
 
 
-def load(path: str | Path) -> tuple[torch.Tensor, torch.Tensor]:
-    """(d2t, t2d) from a vocab artifact."""
-    tensors = load_file(str(path))
-    return tensors["d2t"], tensors["t2d"]
-
-
 def setup(keys: Keys, spec: Spec[VocabSpec]) -> States:
     """Beside the spec: where the drafter's states are."""
     return states(keys.params, spec.name)
@@ -91,6 +84,5 @@ def run(spec: Spec[VocabSpec], where: States, out: Path) -> Path:
         "coverage": round(float(counts[t2d].sum()) / total, 6) if total else 0.0,
     }
     write_json(sidecar_of(out), {"provenance": spec.provenance(), "stats": stats})
-    with atomic_path(out) as tmp:
-        save_file({"d2t": d2t, "t2d": t2d}, str(tmp))
+    write_vocab(out, d2t, t2d)
     return out

@@ -21,6 +21,8 @@ from pathlib import Path
 import torch
 
 from eaglet.errors import EagletError
+from eaglet.formats import exports
+from eaglet.formats.drafter import load_drafter
 from eaglet.formats.io import read_json
 from eaglet.model.drafter import Drafter, DrafterConfig
 
@@ -30,17 +32,15 @@ OWN = ("lm_head.weight", "d2t", "t2d", "embed_tokens.weight")  # this run's, or 
 def read(folder: Path, embed: torch.Tensor) -> tuple[str, Drafter]:
     """(format, drafter) of a folder in any of the three shapes; `embed` are the target's
     embeddings (an SGLang export has none)."""
-    from eaglet.stages import export, train
-
     config = read_json(folder / "config.json")
     if "draft_vocab_size" in config and "aux_layer_ids" in config:  # eaglet's DrafterConfig
         try:
-            return "eaglet", train.load(folder)
+            return "eaglet", load_drafter(folder)
         except (TypeError, RuntimeError) as e:  # unknown fields, tensors that do not fit
             raise EagletError(
                 f"{folder}: not an eaglet drafter: {str(e).splitlines()[0]}"
             ) from None
-    return export.load_export(folder, embed)
+    return exports.load_export(folder, embed)
 
 
 def check(cfg: DrafterConfig, source: Drafter, where: str) -> None:

@@ -2,6 +2,7 @@
 training metrics.csv with DFlash's acc_1.. columns; EAGLE-3's start at acc_0) and its run
 (metrics.json and the sidecar)."""
 
+from eaglet.formats.dflash import save_dflash
 from eaglet.stages import evaluate
 
 
@@ -33,7 +34,6 @@ def test_the_stage_writes_a_dflash_drafters_engine_metrics(tmp_path, monkeypatch
     from eaglet.errors import EagletError
     from eaglet.model.dflash.config import DFlashConfig
     from eaglet.model.dflash.train import Hyper, fit, init
-    from eaglet.stages import train_dflash
 
     from ...hidden_fixture import TINY, bundle
 
@@ -41,7 +41,7 @@ def test_the_stage_writes_a_dflash_drafters_engine_metrics(tmp_path, monkeypatch
     cfg = DFlashConfig.from_target(TINY, target_layer_ids=[1, 3, 4], mask_token_id=5, block_size=4)
     model = init(cfg, data["embed"], data["lm_head"], None)
     trained = tmp_path / "trained"
-    train_dflash.save(model, trained, fit(model, data["samples"], Hyper(steps=2, batch_size=3)))
+    save_dflash(model, trained, fit(model, data["samples"], Hyper(steps=2, batch_size=3)))
     run = {"acceptance_length": 1.8, "acceptance_rate": [0.5, 0.4, 0.2], "greedy_equal": True}
     per_suite = {"q": {"prompts": 2, "eaglet": {}, "vllm": {"temperature_0": {"num_steps_3": run}}}}
     seen = {}

@@ -5,6 +5,8 @@ own decoding decodes it."""
 import pytest
 import torch
 
+from eaglet.formats import exports
+from eaglet.formats.drafter import load_drafter
 from eaglet.model import speculative
 from eaglet.model.drafter import DrafterConfig
 from eaglet.stages import train, vocab
@@ -14,7 +16,7 @@ from ...hidden_fixture import HP, MemoryReader, sgl_ids, tiny_llama
 
 def test_speculative_decoding_equals_greedy(tiny_drafter, monkeypatch):
     target_model, data, folder = tiny_drafter
-    drafter = train.load(folder)
+    drafter = load_drafter(folder)
     target = speculative.Target(target_model, list(drafter.cfg.aux_layer_ids))
     g = torch.Generator().manual_seed(5)
     # seen in training, of several lengths (the batch left-pads them)
@@ -45,7 +47,7 @@ def test_sampled_speculative_decoding_runs_and_is_seeded(tiny_drafter):
     """At temperature > 0 the decoder samples: seeded runs repeat, different seeds differ, and
     the acceptance is counted as in greedy decoding."""
     target_model, data, folder = tiny_drafter
-    drafter = train.load(folder)
+    drafter = load_drafter(folder)
     target = speculative.Target(target_model, list(drafter.cfg.aux_layer_ids))
     prompts = [s["input_ids"][:6].tolist() for s in data["samples"][:4]]
 
@@ -78,7 +80,7 @@ def test_vllm_serves_an_eagle31_export_as_eaglet_decodes_it(tiny_drafter, tmp_pa
     d2t, t2d = vocab.select(vocab.count_tokens([reader], cfg.vocab_size), 256)
     tensors = {"embed": data["embed"], "lm_head": data["lm_head"], "d2t": d2t, "t2d": t2d}
     train.fit([reader], cfg, tensors, HP, tmp_path / "trained", 1000, quiet=True)
-    drafter = train.load(tmp_path / "trained")
+    drafter = load_drafter(tmp_path / "trained")
     assert drafter.cfg.fc_norm and drafter.cfg.norm_output
 
     folder = tmp_path / "target"
@@ -86,12 +88,12 @@ def test_vllm_serves_an_eagle31_export_as_eaglet_decodes_it(tiny_drafter, tmp_pa
     verifier = {"name_or_path": str(folder), "architectures": ["LlamaForCausalLM"]}
     out = tmp_path / "vllm"
     out.mkdir()
-    export.write(drafter, "vllm", out, verifier, num_steps=3)
+    exports.write(drafter, "vllm", out, verifier, num_steps=3)
     export.validate(out, drafter)
 
     # eaglet's decoding with the weights vLLM serves (the export's bf16, in fp32)
     prompts = [s["input_ids"][:8].tolist() for s in data["samples"]]
-    exported = export.load_export(out)[1]
+    exported = exports.load_export(out)[1]
     target = speculative.Target(target_model, list(drafter.cfg.aux_layer_ids))
     plain = [r.tokens for r in speculative.decode(target, prompts, 24, {2})]
     own = speculative.decode(target, prompts, 24, {2}, exported, 3)

@@ -10,9 +10,11 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from eaglet.errors import EagletError
+from eaglet.formats import exports
+from eaglet.formats.drafter import load_drafter
 from eaglet.model.arch import NORMS
 from eaglet.model.drafter import Drafter, DrafterConfig
-from eaglet.stages import export, train
+from eaglet.stages import export
 
 from ...hidden_fixture import TINY, sgl_ids, tiny_llama
 from ...unit.test_drafter import eagle31
@@ -41,13 +43,13 @@ LAYER = {
 
 @pytest.fixture(scope="module")
 def trained(tiny_drafter):
-    return train.load(tiny_drafter[2])
+    return load_drafter(tiny_drafter[2])
 
 
 def test_sglang_export_round_trip(trained, tmp_path):
     out = tmp_path / "sglang"
     out.mkdir()
-    export.write(trained, "sglang", out, VERIFIER)
+    exports.write(trained, "sglang", out, VERIFIER)
     config = json.loads((out / "config.json").read_text())
     assert config == {
         "architectures": ["LlamaForCausalLMEagle3"],
@@ -76,12 +78,12 @@ def test_sglang_export_round_trip(trained, tmp_path):
 def test_vllm_export_round_trip(trained, tmp_path):
     out = tmp_path / "vllm"
     out.mkdir()
-    export.write(trained, "vllm", out, VERIFIER, num_steps=3)
+    exports.write(trained, "vllm", out, VERIFIER, num_steps=3)
     config = json.loads((out / "config.json").read_text())
     assert config == {  # no transformers_version: an incidental version outside the key
         "architectures": ["Eagle3Speculator"],
         "speculators_model_type": "eagle3",
-        "speculators_version": export.SPECULATORS_VERSION,
+        "speculators_version": exports.SPECULATORS_VERSION,
         "speculators_config": {
             "algorithm": "eagle3",
             "default_proposal_method": "greedy",
@@ -128,7 +130,7 @@ def test_validator_rejects_what_engines_would_load_silently(trained, tmp_path):
     for fmt in ("sglang", "vllm"):
         good[fmt] = tmp_path / fmt
         good[fmt].mkdir()
-        export.write(trained, fmt, good[fmt], VERIFIER)
+        exports.write(trained, fmt, good[fmt], VERIFIER)
     cases = [
         (
             "sglang",
@@ -173,9 +175,9 @@ def test_eagle31_exports_carry_the_options_and_their_weights(trained, tmp_path):
     model.load_state_dict(trained.state_dict(), strict=False)  # vocab maps, embeddings
     out = tmp_path / "vllm"
     out.mkdir()
-    export.write(model, "vllm", out, VERIFIER)
+    exports.write(model, "vllm", out, VERIFIER)
     config = json.loads((out / "config.json").read_text())
-    assert {f: config[f] for f in export.NORM_FLAGS} == dict.fromkeys(export.NORM_FLAGS, True)
+    assert {f: config[f] for f in exports.NORM_FLAGS} == dict.fromkeys(exports.NORM_FLAGS, True)
     tensors = load_file(str(out / "model.safetensors"))
     assert tensors["input_norm.weight"].shape == (3 * 256,)
     assert [tensors[f"fc_norm.{i}.weight"].shape for i in range(3)] == [(256,)] * 3
@@ -185,7 +187,7 @@ def test_eagle31_exports_carry_the_options_and_their_weights(trained, tmp_path):
         export.validate(flipped, model)
 
     with pytest.raises(EagletError) as e:
-        export.write(model, "sglang", tmp_path, VERIFIER)
+        exports.write(model, "sglang", tmp_path, VERIFIER)
     assert str(e.value) == (
         "export --to sglang: SGLang's EAGLE-3 drafter has no norm_before_residual or "
         "norm_before_fc (it would load the export and ignore it): export --to vllm, or train "
@@ -195,7 +197,7 @@ def test_eagle31_exports_carry_the_options_and_their_weights(trained, tmp_path):
     served.load_state_dict(trained.state_dict(), strict=False)
     out = tmp_path / "sglang"
     out.mkdir()
-    export.write(served, "sglang", out, VERIFIER)
+    exports.write(served, "sglang", out, VERIFIER)
     config = json.loads((out / "config.json").read_text())
     assert config["fc_norm"] is True and config["norm_output"] is True
     assert not {"norm_before_fc", "norm_before_residual"} & set(config)
@@ -274,7 +276,7 @@ def test_vllm_drafter_computes_eaglets_logits_from_the_export(vllm_drafter, tmp_
     model.eval()
     folder = tmp_path / "vllm"
     folder.mkdir()
-    export.write(model, "vllm", folder, VERIFIER)
+    exports.write(model, "vllm", folder, VERIFIER)
     served, config = vllm_drafter(folder)
     assert {f: getattr(config, f) for f in NORMS} == {f: f in options for f in NORMS}
 

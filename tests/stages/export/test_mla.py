@@ -15,6 +15,8 @@ from safetensors.torch import load_file
 from torch import nn
 
 from eaglet.errors import EagletError
+from eaglet.formats import exports
+from eaglet.formats.drafter import load_drafter
 from eaglet.model import arch
 from eaglet.model import drafter as drafter_module
 from eaglet.model.drafter import Drafter
@@ -67,7 +69,7 @@ def trained_mla(tmp_path_factory):
     stats = train.fit([reader], mla_config(), tensors, hp, out, quiet=True)
     with open(out / "metrics.csv") as f:
         rows = list(csv.DictReader(f))
-    return train.load(out), stats, rows
+    return load_drafter(out), stats, rows
 
 
 @pytest.fixture(scope="module")
@@ -158,7 +160,7 @@ def test_an_mla_drafter_trains_exports_and_vllm_computes_its_logits(
     for fmt in ("vllm", "sglang"):
         folders[fmt] = tmp_path / fmt
         folders[fmt].mkdir()
-        export.write(model, fmt, folders[fmt], {"name_or_path": "kimi", "architectures": []})
+        exports.write(model, fmt, folders[fmt], {"name_or_path": "kimi", "architectures": []})
         report = export.validate(folders[fmt], model)
         assert report["format"] == fmt and report["max_abs_diff"] <= 1e-4
     vc = json.loads((folders["vllm"] / "config.json").read_text())
@@ -170,7 +172,9 @@ def test_an_mla_drafter_trains_exports_and_vllm_computes_its_logits(
         assert c["rope_scaling"]["rope_type"] == c["rope_scaling"]["type"] == "yarn"
     assert vc["eagle_aux_hidden_state_layer_ids"] == [2, 4, 5] and "eagle_config" not in vc
     assert vc["num_aux_hidden_states"] == 3
-    assert {f: vc[f] for f in export.VLLM_MLA_NORMS} == dict.fromkeys(export.VLLM_MLA_NORMS, False)
+    assert {f: vc[f] for f in exports.VLLM_MLA_NORMS} == dict.fromkeys(
+        exports.VLLM_MLA_NORMS, False
+    )
     assert sc["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == AUX
     assert "eagle_aux_hidden_state_layer_ids" not in sc
     tensors = load_file(str(folders["vllm"] / "model.safetensors"))
@@ -245,17 +249,17 @@ def test_vllm_reads_the_eagle31_options_of_an_mla_export(trained_mla, vllm_mla, 
     """fc_norm, norm_output and norm_before_residual (what vLLM's deepseek_eagle3 reads), on
     the trained MLA drafter with norms that are not ones: vLLM's module gives eaglet's logits."""
     model, _, _ = trained_mla
-    options = dict.fromkeys(export.VLLM_MLA_NORMS, True)
+    options = dict.fromkeys(exports.VLLM_MLA_NORMS, True)
     with_options = eagle31(dataclasses.replace(model.cfg, **options), seed=2)
     state = {k: v for k, v in model.state_dict().items() if "norm" not in k}
     with_options.load_state_dict(state, strict=False)
     _bf16_exact(with_options)
     folder = tmp_path / "vllm"
     folder.mkdir()
-    export.write(with_options, "vllm", folder, {})
+    exports.write(with_options, "vllm", folder, {})
     assert export.validate(folder, with_options)["format"] == "vllm"
     served, config, _ = vllm_mla(folder)
-    assert all(getattr(config, f) is True for f in export.VLLM_MLA_NORMS)
+    assert all(getattr(config, f) is True for f in exports.VLLM_MLA_NORMS)
     g = torch.Generator().manual_seed(3)
     aux = torch.randn(1, 8, 3, 64, generator=g) * torch.tensor([1.0, 4.0, 20.0])[:, None]
     ids = torch.randint(0, TEXT["vocab_size"], (1, 8), generator=g)
@@ -280,13 +284,13 @@ def test_what_an_engine_cannot_serve_is_refused_in_one_line(trained_mla, tmp_pat
     for fmt, fields, message in cases:
         bad = Drafter(dataclasses.replace(model.cfg, **fields))
         with pytest.raises(EagletError, match=message) as e:
-            export.write(bad, fmt, tmp_path, {})
+            exports.write(bad, fmt, tmp_path, {})
         assert "\n" not in str(e.value)
     good = {}
     for fmt in ("vllm", "sglang"):
         good[fmt] = tmp_path / f"good-{fmt}"
         good[fmt].mkdir()
-        export.write(model, fmt, good[fmt], {})
+        exports.write(model, fmt, good[fmt], {})
     broken = [  # what the validator catches before an engine loads it silently
         ("vllm", lambda c: c.update(eagle_aux_hidden_state_layer_ids=AUX), None, "differs"),
         ("sglang", lambda c: c.update(kv_lora_rank=256), None, "has shape"),
@@ -302,7 +306,7 @@ def test_what_an_engine_cannot_serve_is_refused_in_one_line(trained_mla, tmp_pat
     plain_q.load_state_dict(model.state_dict(), strict=False)  # d2t, t2d, the rest
     folder = tmp_path / "sglang"
     folder.mkdir()
-    export.write(plain_q, "sglang", folder, {})
+    exports.write(plain_q, "sglang", folder, {})
     assert json.loads((folder / "config.json").read_text())["q_lora_rank"] is None
     names = load_file(str(folder / "model.safetensors"))
     assert "midlayer.self_attn.q_proj.weight" in names and not any("q_a_" in n for n in names)

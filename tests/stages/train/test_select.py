@@ -6,6 +6,8 @@ import csv
 import pytest
 import torch
 
+from eaglet.formats.drafter import load_drafter
+from eaglet.model import ttt
 from eaglet.model.target_head import TargetHead, shift
 from eaglet.stages import drafter_data, evaluate, train
 
@@ -34,7 +36,7 @@ def full_vocab_chain(model, reader, refs, lm_head, steps: int) -> float:
     draft mapped to a target id against the argmax over the target's full vocab."""
     counts = []
     for ref in refs:
-        b = drafter_data.load([reader], [ref], 1 << 30)
+        b = ttt.load([reader], [ref], 1 << 30)
         with torch.no_grad():
             logits = model(b["aux"], b["input_ids"], steps)
             target = (b["last"].float() @ lm_head.float().T).argmax(-1)
@@ -51,9 +53,9 @@ def test_the_chain_estimates_equal_the_full_vocab_oracle(data, tmp_path):
     """train.offline_acceptance (cut at max_length, batches of batch_size) and evaluate.offline
     (whole samples), both draft-vocab p in chunks, against whole full-vocab logits."""
     fit_tiny(data, tmp_path / "d", epochs=3)
-    model = train.load(tmp_path / "d")
+    model = load_drafter(tmp_path / "d")
     reader, train_refs, held = split(data)
-    run = train.Run("float32", "cpu")
+    run = ttt.Run("float32", "cpu")
     head = TargetHead(data["lm_head"], model.t2d)
     hp = HP | {"select": SELECT}
     for refs in (train_refs, held):
@@ -73,7 +75,7 @@ def test_the_best_epoch_is_the_drafter_and_the_curve_is_recorded(data, tmp_path)
     assert len(sel["curve"]) == 4 and sel["value"] == max(sel["curve"])
     assert sel["epoch"] == sel["curve"].index(max(sel["curve"]))
     assert sel["step"] == (sel["epoch"] + 1) * stats["steps"] // 4
-    model = train.load(tmp_path / "d")
+    model = load_drafter(tmp_path / "d")
     full = evaluate.offline(model, [reader], held, data["lm_head"], [3])  # the kept weights
     assert full["num_steps_3"]["acceptance_length"] == pytest.approx(sel["value"], abs=1e-6)
     with open(tmp_path / "d" / "heldout.csv", newline="") as f:
@@ -99,7 +101,7 @@ def test_an_earlier_epoch_wins_and_survives_a_resume(data, tmp_path, monkeypatch
     seen = scripted(monkeypatch, [1.2, 1.5, 1.3, 1.1])
     stats = fit_tiny(data, tmp_path / "full", epochs=4, select=SELECT)
     assert (stats["selected"]["epoch"], stats["selected"]["value"]) == (1, 1.5)
-    kept = train.load(tmp_path / "full").state_dict()
+    kept = load_drafter(tmp_path / "full").state_dict()
     for name, t in seen[1].items():
         assert torch.equal(kept[name], t), name
     assert not torch.equal(kept["fc.weight"], seen[3]["fc.weight"])
@@ -122,5 +124,5 @@ def test_an_earlier_epoch_wins_and_survives_a_resume(data, tmp_path, monkeypatch
     again = fit_tiny(data, tmp_path / "resumed", epochs=4, select=SELECT, checkpoint_every=1)
     assert again["resumed_from"] == 3 * per_epoch + 1
     assert again["selected"] == stats["selected"]
-    for name, t in train.load(tmp_path / "resumed").state_dict().items():
+    for name, t in load_drafter(tmp_path / "resumed").state_dict().items():
         assert torch.equal(kept[name], t), name

@@ -9,8 +9,10 @@ import pytest
 import torch
 
 from eaglet.errors import EagletError
+from eaglet.formats import exports
+from eaglet.formats.drafter import load_drafter
 from eaglet.model.drafter import Drafter
-from eaglet.stages import export, train, warm_start
+from eaglet.stages import warm_start
 
 from ...hidden_fixture import fit_tiny
 
@@ -19,7 +21,7 @@ VERIFIER = {"name_or_path": "org/tiny", "architectures": ["LlamaForCausalLM"]}
 
 @pytest.fixture(scope="module")
 def trained(tiny_drafter):
-    return train.load(tiny_drafter[2])
+    return load_drafter(tiny_drafter[2])
 
 
 def folder_of(fmt: str, trained: Drafter, tiny_drafter, tmp_path):
@@ -29,7 +31,7 @@ def folder_of(fmt: str, trained: Drafter, tiny_drafter, tmp_path):
         shutil.copytree(tiny_drafter[2], out)
     else:
         out.mkdir()
-        export.write(trained, fmt, out, VERIFIER)
+        exports.write(trained, fmt, out, VERIFIER)
     return out
 
 
@@ -97,7 +99,7 @@ def test_fit_from_a_drafter_starts_where_it_ended(trained, tiny_drafter, tmp_pat
     data = tiny_drafter[1]
     still = fit_tiny(data, tmp_path / "still", epochs=1, lr=1e-12, init=trained)
     assert still["init_from"] == {"rows_copied": 256, "draft_vocab": 256, "source_draft_vocab": 256}
-    kept = train.load(tmp_path / "still")
+    kept = load_drafter(tmp_path / "still")
     for name, t in kept.state_dict().items():
         assert torch.allclose(t, trained.state_dict()[name], atol=1e-6), name
 
