@@ -128,14 +128,14 @@ def test_a_loss_edit_needs_a_bump_and_the_bump_moves_train_and_below(clone):
     train = pkg / "eaglet/stages/train.py"
     # the drafter's loss: a label-smoothed target distribution instead of the target's own
     _edit(
-        train,
+        pkg / "eaglet/model/ttt.py",
         "return -(p * F.log_softmax(logits, dim=-1)).sum()",
         "return -((0.9 * p + 0.1 / p.shape[-1]) * F.log_softmax(logits, dim=-1)).sum()",
     )
     edited = _probe(pkg, params)
     assert edited["keys"] == before  # no key moves by itself ...
     [problem] = edited["problems"]  # ... but `make test` fails, naming the stage and the part
-    assert problem.startswith("stage train: its kernel changed (eaglet.stages.train:scorer)")
+    assert problem.startswith("stage train: its kernel changed (eaglet.model.ttt:scorer)")
     assert "bump CODE's version in eaglet/stages/train.py" in problem
     # and in the user's clone the stage stops before it reads anything, in one line
     run = eaglet("train", "d", "--params", str(params), env=_env(pkg))
