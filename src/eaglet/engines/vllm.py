@@ -13,7 +13,8 @@ and, if eaglet itself is killed with SIGKILL, by the reaper the server runs unde
 to a running server instead (a GPU node started by its operator) and stops nothing.
 `ServeConfig` passes `--speculative-config` (EAGLE-3 drafters: `eagle3()`),
 `--kv-transfer-config` and any extra CLI arguments through. `spec_counters()` reads the
-speculative-decoding counters of `GET /metrics` (the engine evaluation, eaglet.stages.engine_eval).
+speculative-decoding counters of `GET /metrics` (the engine evaluation,
+eaglet.stages.evaluate.engine).
 
 Generation (`VLLMBackend`): `POST /v1/completions` with the prompt as token ids, answers as token
 ids. The prompt is rendered by the target's own chat template here (as for SGLang's `/generate`),
