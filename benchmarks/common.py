@@ -13,7 +13,7 @@ import torch
 import yaml
 
 from eaglet.engines import vllm
-from eaglet.formats import exports
+from eaglet.formats import exports, speculative
 from eaglet.formats.drafter import load_drafter
 from eaglet.formats.io import read_json, read_jsonl, write_jsonl_zst
 from eaglet.formats.records import response_record
@@ -199,7 +199,7 @@ def serve_all(
             plain = evaluate_engine.run(engine, serve.served_name, prompts, new, stop, conc)
         greedy_tps = plain["tokens"] / plain["seconds"]
     for name, path in exports.items():
-        spec_serve = dataclasses.replace(serve, speculative=vllm.eagle3(path, steps))
+        spec_serve = dataclasses.replace(serve, speculative=speculative.eagle3(path, steps))
         with vllm.Engine(spec_serve) as e:
             r = evaluate_engine.run(e, serve.served_name, prompts, new, stop, conc)
         m = r["counters"].summary()

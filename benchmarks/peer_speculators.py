@@ -44,7 +44,7 @@ import torch
 from safetensors.torch import save_file
 
 from benchmarks.common import export_eaglet, fit_args, serve_all, train_eaglet
-from eaglet.engines import vllm
+from eaglet.model import capture
 from eaglet.model.target import load_config, load_tensor, materialize, spec_of
 from eaglet.params import load
 from eaglet.stages.hidden import read as hidden_read
@@ -117,8 +117,8 @@ def check_prenorm(spec, readers: list, refs: list, norm_w, eps: float, n: int = 
             s = readers[r].get(sid)
             with torch.no_grad():
                 model(s["input_ids"][None])
-            true = vllm.rms_norm(got["x"][0], norm_w, eps)
-            ours = vllm.rms_norm(s["last"].float() / norm_w, norm_w, eps)
+            true = capture.rms_norm(got["x"][0], norm_w, eps)
+            ours = capture.rms_norm(s["last"].float() / norm_w, norm_w, eps)
 
             def rel(a, b):
                 return float(((a - b).norm(dim=-1) / b.norm(dim=-1)).max())

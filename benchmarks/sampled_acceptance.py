@@ -25,10 +25,11 @@ from pathlib import Path
 
 import torch
 
-from eaglet.engines.vllm import Engine, ServeConfig, eagle3, spec_counters, target_stop_ids
+from eaglet.engines.vllm import Engine, ServeConfig, target_stop_ids
 from eaglet.formats.chat import prompt_ids
 from eaglet.formats.drafter import load_drafter
 from eaglet.formats.io import read_jsonl
+from eaglet.formats.speculative import eagle3, spec_counters
 from eaglet.graph.keys import Keys
 from eaglet.model import speculative
 from eaglet.model.target import load_model, load_tokenizer, materialize, spec_of

@@ -20,10 +20,11 @@ import psutil
 import pytest
 import torch
 
-from eaglet.engines.vllm import Engine, ServeConfig, eagle3
+from eaglet.engines.vllm import Engine, ServeConfig
 from eaglet.errors import EagletError
 from eaglet.formats import exports
 from eaglet.formats.drafter import load_drafter
+from eaglet.formats.speculative import eagle3
 from eaglet.graph.keys import Keys, build
 from eaglet.model import speculative
 from eaglet.model.drafter import Drafter

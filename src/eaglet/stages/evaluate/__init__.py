@@ -35,10 +35,7 @@ CODE = Code(
         "eaglet.formats.drafter:load_drafter",
         "eaglet.stages.hidden.read:is_heldout",
         "eaglet.stages.hidden.read:split",
-        "eaglet.engines.vllm:spec_counters",
-        "eaglet.engines.vllm:SpecCounters",
-        "eaglet.engines.vllm:eagle3",
-        "eaglet.engines.vllm:dflash",
-        "eaglet.engines.vllm_plugin",
+        "eaglet.formats.speculative",
+        "eaglet.model.sampling",
     ),
 )

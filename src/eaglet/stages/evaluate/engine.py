@@ -21,8 +21,9 @@ from typing import TYPE_CHECKING
 
 import httpx
 
-from eaglet.engines.vllm import Engine, ServeConfig, dflash, eagle3, spec_counters
+from eaglet.engines.vllm import Engine, ServeConfig
 from eaglet.errors import EagletError
+from eaglet.formats.speculative import dflash, eagle3, spec_counters
 from eaglet.graph.keys import Spec
 from eaglet.model.speculative import against_greedy
 from eaglet.stages.evaluate.kernel import temperature_key

@@ -30,9 +30,6 @@ CODE = Code(
         "eaglet.formats.hidden_store",
         "eaglet.formats.chat",
         "eaglet.formats.records:conversation_of",
-        "eaglet.engines.transformers:TransformersHidden",
-        "eaglet.engines.vllm:VLLMHidden",
-        "eaglet.engines.vllm:rms_norm",
-        "eaglet.engines.hidden_connector",
+        "eaglet.model.capture",
     ),
 )
