@@ -6,7 +6,7 @@ a ceiling measured on the same machine a moment before:
      compute-bound limit: tokens/s = GFLOP/s / (2 x parameters) per token;
   1. generation: a bare greedy decode loop (the target's forward with a KV cache, --batch rows,
      every row decoding --steps tokens: no stopping, no scheduling, no server) against the
-     generate stage with the demo's backend on --prompts of the demo's instructions
+     responses stage with the demo's backend on --prompts of the demo's instructions
      (completion tokens/s, with and without its engine's start-up);
   2. hidden states: the target's bare trunk over the stage's length batches against the hidden
      stage (the setup of benchmarks/hidden_states.py);
@@ -98,7 +98,7 @@ def decode_loop(model, rows: list[list[int]], steps: int) -> float:
 
 
 def generation(args, model, tokenizer) -> dict:
-    """The bare loop, then the generate stage with the demo's backend on the same prompts."""
+    """The bare loop, then the responses stage with the demo's backend on the same prompts."""
     demo = yaml.safe_load((ROOT / "params.yaml").read_text())
     source = ROOT / "data" / "demo" / "instructions.jsonl"
     rows = [[{"role": "user", "content": r["instruction"]}] for r in read_jsonl(source)]
