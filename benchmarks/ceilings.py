@@ -6,12 +6,12 @@ a ceiling measured on the same machine a moment before:
      compute-bound limit: tokens/s = GFLOP/s / (2 x parameters) per token;
   1. generation: a bare greedy decode loop (the target's forward with a KV cache, --batch rows,
      every row decoding --steps tokens: no stopping, no scheduling, no server) against the
-     generate stage with the demo's backend on --prompts of the demo's instructions
+     responses stage with the demo's backend on --prompts of the demo's instructions
      (completion tokens/s, with and without its engine's start-up);
   2. hidden states: the target's bare trunk over the stage's length batches against the hidden
      stage (the setup of benchmarks/hidden_states.py);
   3. training: the drafter's bare training step (TTT forward, loss, backward, AdamW on tensors
-     already in memory) against `train.fit` on the demo's stored hidden states (positions/s;
+     already in memory) against `train_kernel.fit` on the demo's stored hidden states (positions/s;
      needs `make demo` first, else skipped).
 Threads: --threads (the demo's jobs use 2). CPU pressure is shown next to the numbers.
 
@@ -41,10 +41,8 @@ from eaglet.graph.keys import build, sidecar_of
 from eaglet.model.drafter import Drafter
 from eaglet.model.target import load_model, load_tokenizer, spec_of
 from eaglet.params import load
-from eaglet.stages import (
-    drafter_data,
-    train,
-)
+from eaglet.stages.hidden import read as hidden_read
+from eaglet.stages.train import kernel as train_kernel
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -100,7 +98,7 @@ def decode_loop(model, rows: list[list[int]], steps: int) -> float:
 
 
 def generation(args, model, tokenizer) -> dict:
-    """The bare loop, then the generate stage with the demo's backend on the same prompts."""
+    """The bare loop, then the responses stage with the demo's backend on the same prompts."""
     demo = yaml.safe_load((ROOT / "params.yaml").read_text())
     source = ROOT / "data" / "demo" / "instructions.jsonl"
     rows = [[{"role": "user", "content": r["instruction"]}] for r in read_jsonl(source)]
@@ -156,15 +154,15 @@ def hidden(args, model) -> dict:
 def training(args) -> dict | None:
     params = load(args.params)
     try:
-        readers = drafter_data.open_readers(drafter_data.states(params, "demo"))
+        readers = hidden_read.open_readers(hidden_read.states(params, "demo"))
     except EagletError as e:  # not built yet
         print(f"# training skipped: the demo's hidden states are not built ({e})")
         return None
     a = fit_args(params, "demo", readers)
     hp, cfg = a.pop("hp"), a["cfg"]
-    refs, _ = drafter_data.split(readers, hp["heldout_fraction"])
+    refs, _ = hidden_read.split(readers, hp["heldout_fraction"])
     with tempfile.TemporaryDirectory() as tmp:
-        st = train.fit(
+        st = train_kernel.fit(
             **a,
             hp=hp | {"max_steps": args.train_steps},
             out=Path(tmp) / "d",

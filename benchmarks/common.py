@@ -13,7 +13,7 @@ import torch
 import yaml
 
 from eaglet.engines import vllm
-from eaglet.formats import exports
+from eaglet.formats import exports, speculative
 from eaglet.formats.drafter import load_drafter
 from eaglet.formats.io import read_json, read_jsonl, write_jsonl_zst
 from eaglet.formats.records import response_record
@@ -30,15 +30,13 @@ from eaglet.model.target import (
     spec_of,
 )
 from eaglet.params import load
-from eaglet.stages import (
-    drafter_data,
-    engine_eval,
-    export,
-    hidden,
-    suites,
-    train,
-    vocab,
-)
+from eaglet.stages.evaluate import engine as evaluate_engine
+from eaglet.stages.evaluate import suites
+from eaglet.stages.export import kernel as export_kernel
+from eaglet.stages.hidden import kernel as hidden_kernel
+from eaglet.stages.hidden import read as hidden_read
+from eaglet.stages.train import kernel as train_kernel
+from eaglet.stages.vocab import kernel as vocab_kernel
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -117,7 +115,7 @@ def stage(params_file: Path, out: Path) -> dict:
 def bare(model, seqs: list[list[int]], batch_tokens: int) -> float:
     """Seconds for the decoder trunk alone over the same length batches as the stage."""
     trunk = model.base_model
-    groups = hidden.length_batches([len(s) for s in seqs], batch_tokens)
+    groups = hidden_kernel.length_batches([len(s) for s in seqs], batch_tokens)
     t0 = time.perf_counter()
     with torch.inference_mode():
         for g in groups:
@@ -130,14 +128,14 @@ def bare(model, seqs: list[list[int]], batch_tokens: int) -> float:
 
 
 def fit_args(params, drafter: str, readers: list) -> dict:
-    """train.fit's arguments as the drafter's train stage passes them (its hyperparameters,
+    """train_kernel.fit's arguments as the drafter's train stage passes them (its hyperparameters,
     the target's head), the draft vocab picked from `readers`."""
     d = params.drafter(drafter)
     hp = Keys(params).provenance("train", drafter)["params"]["train"]
     spec = spec_of(params)
     size = d["draft_vocab_size"]
-    d2t, t2d = vocab.select(
-        vocab.count_tokens(readers, readers[0].manifest["target"]["vocab_size"]), size
+    d2t, t2d = vocab_kernel.select(
+        vocab_kernel.count_tokens(readers, readers[0].manifest["target"]["vocab_size"]), size
     )
     cfg = DrafterConfig.from_target(
         load_config(spec), size, readers[0].manifest["aux_layer_ids"]["sglang"]
@@ -154,7 +152,7 @@ def fit_args(params, drafter: str, readers: list) -> dict:
 def train_eaglet(a: dict, hp: dict, out: Path) -> dict:
     """eaglet's train stage on the demo's data and hyperparameters; its vLLM export."""
     t0 = time.perf_counter()
-    st = train.fit(**a, hp=hp, out=out / "trained", checkpoint_every=10**9, quiet=True)
+    st = train_kernel.fit(**a, hp=hp, out=out / "trained", checkpoint_every=10**9, quiet=True)
     seconds = time.perf_counter() - t0
     model = load_drafter(out / "trained")
     return {"seconds": seconds, "stats": st, "model": model}
@@ -164,7 +162,7 @@ def export_eaglet(model, verifier: dict, out: Path) -> Path:
     folder = out / "vllm"
     folder.mkdir(parents=True, exist_ok=True)
     exports.write(model, "vllm", folder, verifier, 3)
-    export.validate(folder, model)
+    export_kernel.validate(folder, model)
     return folder
 
 
@@ -177,7 +175,7 @@ def serve_all(
     spec = spec_of(params)
     folder = materialize(spec)
     tok = load_tokenizer(spec)
-    readers = drafter_data.open_readers(drafter_data.states(params, drafter))
+    readers = hidden_read.open_readers(hidden_read.states(params, drafter))
     # the first evaluate suite (the demo's: the natural held-out prompts)
     prompts = next(
         iter(suites.prompts(suites.configured(params, drafter), drafter, readers, tok, []).values())
@@ -198,12 +196,12 @@ def serve_all(
     plain, greedy_tps = None, None
     if greedy_check:
         with vllm.Engine(serve) as engine:
-            plain = engine_eval.run(engine, serve.served_name, prompts, new, stop, conc)
+            plain = evaluate_engine.run(engine, serve.served_name, prompts, new, stop, conc)
         greedy_tps = plain["tokens"] / plain["seconds"]
     for name, path in exports.items():
-        spec_serve = dataclasses.replace(serve, speculative=vllm.eagle3(path, steps))
+        spec_serve = dataclasses.replace(serve, speculative=speculative.eagle3(path, steps))
         with vllm.Engine(spec_serve) as e:
-            r = engine_eval.run(e, serve.served_name, prompts, new, stop, conc)
+            r = evaluate_engine.run(e, serve.served_name, prompts, new, stop, conc)
         m = r["counters"].summary()
         if plain:
             same = [a == b for a, b in zip(r["outputs"], plain["outputs"], strict=True)]

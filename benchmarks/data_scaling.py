@@ -8,10 +8,10 @@ On a built demo (`make demo`), in one run:
      picked from what it trains on) on a seeded share of its training samples, for each --runs
      entry `SHARE` or `SHARE:EPOCHS`; the split's held-out samples stay in every share;
   2. each drafter's offline acceptance on those held-out hidden states
-     (eaglet.stages.evaluate.offline: the teacher-forced chain from every answer position), next to
-     the demo's own drafter measured the same way and the engine's number from its evaluation.
-Then a fit of acceptance length against log(answer tokens) over the runs at the demo's epochs,
-and the tokens it puts at acceptance length 2.0 (an extrapolation: read it as an order of
+     (eaglet.stages.evaluate.kernel.offline: the teacher-forced chain from every answer position),
+     next to the demo's own drafter measured the same way and the engine's number from its
+evaluation. Then a fit of acceptance length against log(answer tokens) over the runs at the demo's
+epochs, and the tokens it puts at acceptance length 2.0 (an extrapolation: read it as an order of
 magnitude).
 
     .venv/bin/python -m benchmarks.data_scaling [--params params.yaml] [--drafter demo]
@@ -36,11 +36,9 @@ from eaglet.formats.hidden_store import HiddenReader
 from eaglet.formats.io import read_json
 from eaglet.graph.keys import Keys, build
 from eaglet.params import load
-from eaglet.stages import (
-    drafter_data,
-    evaluate,
-    train,
-)
+from eaglet.stages.evaluate import kernel as evaluate_kernel
+from eaglet.stages.hidden import read as hidden_read
+from eaglet.stages.train import kernel as train_kernel
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -65,8 +63,8 @@ def share(readers: list, fraction: float, heldout_fraction: float, seed: int = 0
     """`fraction` of each reader's training samples (seeded), plus all of its held-out ones."""
     out = []
     for r in readers:
-        held = [s for s in r.ids if drafter_data.is_heldout(s, heldout_fraction)]
-        train_ids = [s for s in r.ids if not drafter_data.is_heldout(s, heldout_fraction)]
+        held = [s for s in r.ids if hidden_read.is_heldout(s, heldout_fraction)]
+        train_ids = [s for s in r.ids if not hidden_read.is_heldout(s, heldout_fraction)]
         keep = set(random.Random(seed).sample(train_ids, round(len(train_ids) * fraction)))
         out.append(Share(r, [s for s in r.ids if s in keep or s in held]))
     return out
@@ -106,13 +104,13 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     params = load(args.params)
     keys = Keys(params)
-    readers = drafter_data.open_readers(drafter_data.states(params, args.drafter))
+    readers = hidden_read.open_readers(hidden_read.states(params, args.drafter))
     heldout_fraction = params.drafter(args.drafter)["heldout_fraction"]
     base = fit_args(params, args.drafter, readers)
     print(f"# cpu pressure before: {pressure()}", flush=True)
 
     def accept(model) -> dict:
-        m = evaluate.offline(model, [held], refs, base["tensors"]["lm_head"], [args.steps])
+        m = evaluate_kernel.offline(model, [held], refs, base["tensors"]["lm_head"], [args.steps])
         return m[f"num_steps_{args.steps}"]
 
     rows = []
@@ -133,8 +131,10 @@ def main() -> None:
             sub = share(readers, float(fraction), heldout_fraction)
             a = fit_args(params, args.drafter, sub)
             hp = a.pop("hp") | ({"epochs": int(epochs)} if epochs else {})
-            train_refs, _ = drafter_data.split(sub, heldout_fraction)
-            st = train.fit(**a, hp=hp, out=Path(tmp) / run, checkpoint_every=10**9, quiet=True)
+            train_refs, _ = hidden_read.split(sub, heldout_fraction)
+            st = train_kernel.fit(
+                **a, hp=hp, out=Path(tmp) / run, checkpoint_every=10**9, quiet=True
+            )
             rows.append(
                 {
                     "run": f"share {fraction}, {hp['epochs']} epochs",

@@ -3,7 +3,7 @@
 
 On the demo drafter of params.yaml (SmolLM2 target, its demo datasets' stored hidden states:
 build them first, e.g. `make demo`), with the draft vocab picked from the same data:
-  1. `train.fit` for --steps steps in fp32 and in bf16, alternately, --runs times each:
+  1. `train_kernel.fit` for --steps steps in fp32 and in bf16, alternately, --runs times each:
      assistant tokens per second (best and median);
   2. a bf16 drafter trained for --budget steps, then real speculative decoding (greedy, chain,
      3 and 7 steps) on --prompts held-out prompts: acceptance length, greedy equality, and the
@@ -31,12 +31,10 @@ from eaglet.model import speculative
 from eaglet.model.drafter import DrafterConfig
 from eaglet.model.target import load_config, load_head, load_model, load_tokenizer, spec_of
 from eaglet.params import load
-from eaglet.stages import (
-    drafter_data,
-    evaluate,
-    train,
-    vocab,
-)
+from eaglet.stages.evaluate import kernel as evaluate_kernel
+from eaglet.stages.hidden import read as hidden_read
+from eaglet.stages.train import kernel as train_kernel
+from eaglet.stages.vocab import kernel as vocab_kernel
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -53,14 +51,14 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     params = load(args.params)
-    readers = drafter_data.open_readers(drafter_data.states(params, args.drafter))
+    readers = hidden_read.open_readers(hidden_read.states(params, args.drafter))
     d = params.drafter(args.drafter)
     prov = Keys(params).provenance("train", args.drafter)
     hp = prov["params"]["train"] | {"heldout_fraction": d["heldout_fraction"]}
     spec = spec_of(params)
     size = d["draft_vocab_size"]
-    d2t, t2d = vocab.select(
-        vocab.count_tokens(readers, readers[0].manifest["target"]["vocab_size"]), size
+    d2t, t2d = vocab_kernel.select(
+        vocab_kernel.count_tokens(readers, readers[0].manifest["target"]["vocab_size"]), size
     )
     cfg = DrafterConfig.from_target(
         load_config(spec), size, readers[0].manifest["aux_layer_ids"]["sglang"]
@@ -71,7 +69,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
 
         def fit(name: str, **over) -> dict:
-            return train.fit(
+            return train_kernel.fit(
                 readers,
                 cfg,
                 embed,
@@ -102,12 +100,12 @@ def main() -> None:
         model = load_drafter(Path(tmp) / "budget")
     target_model = load_model(spec, "cpu", "float32")
     stop = set(stop_ids(load_tokenizer(spec), target_model))
-    _, held = drafter_data.split(readers, d["heldout_fraction"])
-    prompts = evaluate.heldout_prompts(readers, held, args.prompts)
+    _, held = hidden_read.split(readers, d["heldout_fraction"])
+    prompts = evaluate_kernel.heldout_prompts(readers, held, args.prompts)
     target = speculative.Target(target_model, list(model.cfg.aux_layer_ids))
     decode = {"num_steps": [3, 7], "max_new_tokens": d["evaluate"]["max_new_tokens"]}
-    real = evaluate.decode_all(target, model, prompts, decode, stop, quiet=True)
-    est = evaluate.offline(model, readers, held, target_model.lm_head.weight, [3, 7])
+    real = evaluate_kernel.decode_all(target, model, prompts, decode, stop, quiet=True)
+    est = evaluate_kernel.offline(model, readers, held, target_model.lm_head.weight, [3, 7])
     for k in ("num_steps_3", "num_steps_7"):
         m = real[k]
         offline = est[k]["acceptance_length"]

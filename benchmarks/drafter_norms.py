@@ -36,7 +36,7 @@ from benchmarks.common import export_eaglet, fit_args, serve_all, train_eaglet
 from eaglet.formats.drafter import load_drafter
 from eaglet.model.target import load_config, materialize, spec_of
 from eaglet.params import load
-from eaglet.stages import drafter_data
+from eaglet.stages.hidden import read as hidden_read
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -66,7 +66,7 @@ def main() -> None:
         return
     params = load(args.params)
     spec = spec_of(params)
-    readers = drafter_data.open_readers(drafter_data.states(params, args.drafter))
+    readers = hidden_read.open_readers(hidden_read.states(params, args.drafter))
     a = fit_args(params, args.drafter, readers)
     hp = a.pop("hp") | ({"epochs": args.epochs} if args.epochs else {})
     verifier = {"name_or_path": materialize(spec), "architectures": load_config(spec).architectures}

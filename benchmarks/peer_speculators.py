@@ -21,8 +21,8 @@ On a built demo (`make demo`), in one run:
   4. stock vLLM serving the target with each drafter (eaglet's vLLM export, speculators' last
      epoch folder) on the demo's natural held-out prompts (its evaluate settings: 16 prompts,
      96 new tokens, 3 steps, greedy): acceptance length from vLLM's /metrics counters, as the
-     demo's evaluate stage reads it (eaglet.stages.engine_eval), and each output against the plain
-     greedy text of the same engine.
+     demo's evaluate stage reads it (eaglet.stages.evaluate.engine), and each output against the
+     plain greedy text of the same engine.
 
     .venv/bin/python -m benchmarks.peer_speculators [--params params.yaml] [--drafter demo]
         [--work DIR] [--threads 2] [--speculators-arg=--optimizer=adamw ...]
@@ -44,12 +44,10 @@ import torch
 from safetensors.torch import save_file
 
 from benchmarks.common import export_eaglet, fit_args, serve_all, train_eaglet
-from eaglet.engines import vllm
+from eaglet.model import capture
 from eaglet.model.target import load_config, load_tensor, materialize, spec_of
 from eaglet.params import load
-from eaglet.stages import (
-    drafter_data,
-)
+from eaglet.stages.hidden import read as hidden_read
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -119,8 +117,8 @@ def check_prenorm(spec, readers: list, refs: list, norm_w, eps: float, n: int = 
             s = readers[r].get(sid)
             with torch.no_grad():
                 model(s["input_ids"][None])
-            true = vllm.rms_norm(got["x"][0], norm_w, eps)
-            ours = vllm.rms_norm(s["last"].float() / norm_w, norm_w, eps)
+            true = capture.rms_norm(got["x"][0], norm_w, eps)
+            ours = capture.rms_norm(s["last"].float() / norm_w, norm_w, eps)
 
             def rel(a, b):
                 return float(((a - b).norm(dim=-1) / b.norm(dim=-1)).max())
@@ -227,10 +225,10 @@ def main() -> None:
     py = None if args.variants_only else speculators_python()  # variants: eaglet only
     params = load(args.params)
     spec = spec_of(params)
-    readers = drafter_data.open_readers(drafter_data.states(params, args.drafter))
+    readers = hidden_read.open_readers(hidden_read.states(params, args.drafter))
     a = fit_args(params, args.drafter, readers)
     hp = a.pop("hp")
-    train_refs, held_refs = drafter_data.split(readers, hp["heldout_fraction"])
+    train_refs, held_refs = hidden_read.split(readers, hp["heldout_fraction"])
     norm_w = load_tensor(spec, "model.norm.weight").float()
     eps = float(load_config(spec).rms_norm_eps)
     verifier = materialize(spec)

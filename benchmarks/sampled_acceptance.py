@@ -7,7 +7,7 @@ On a built demo (`make demo`), in one run: vLLM serving the target with the demo
 (3 steps) answers the first 16 natural held-out prompts (96 new tokens, 16 in flight) greedy,
 then seeded (request i: seed i, as eaglet's evaluation sends them) at each temperature, and once
 at 0.7 without a seed; per run, the engine's /metrics counter deltas (accepted / proposed draft
-tokens, acceptance length), as eaglet.stages.engine_eval reads them. Beside each, eaglet's own
+tokens, acceptance length), as eaglet.stages.evaluate.engine reads them. Beside each, eaglet's own
 speculative decoding of the same prompts with the trained drafter (fp32), over `--seeds` seeds:
 their mean and range. `VLLM_PLUGINS=none` runs the engine as it ships.
 
@@ -25,15 +25,16 @@ from pathlib import Path
 
 import torch
 
-from eaglet.engines.vllm import Engine, ServeConfig, eagle3, spec_counters, target_stop_ids
+from eaglet.engines.vllm import Engine, ServeConfig, target_stop_ids
 from eaglet.formats.chat import prompt_ids
 from eaglet.formats.drafter import load_drafter
 from eaglet.formats.io import read_jsonl
+from eaglet.formats.speculative import eagle3, spec_counters
 from eaglet.graph.keys import Keys
 from eaglet.model import speculative
 from eaglet.model.target import load_model, load_tokenizer, materialize, spec_of
 from eaglet.params import load
-from eaglet.stages import engine_eval
+from eaglet.stages.evaluate import engine as evaluate_engine
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -96,7 +97,7 @@ def main() -> None:
     with Engine(serve) as engine:
         for label, t, seeded in runs:
             if seeded:
-                r = engine_eval.run(engine, "target", prompts, NEW_TOKENS, stop, PROMPTS, t, 0)
+                r = evaluate_engine.run(engine, "target", prompts, NEW_TOKENS, stop, PROMPTS, t, 0)
             else:
                 r = unseeded(engine, prompts, stop, t)
             table.append({"temperature": label, "t": t, **r["counters"].summary()})

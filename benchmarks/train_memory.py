@@ -3,10 +3,10 @@ draft vocab and TTT depth (32,000, 7) the per-token part stays within 1.5x of th
 (4,096, 3) at the same width; (3) eaglet.model.train_memory's per-token derivation against the
 measurement; (4) the demo's step time, this tree against another.
 
-Every point runs `train.fit` (what `eaglet train` runs) for one optimizer step (batch 1, fp32)
-on one random sample of T tokens, in a fresh process: drafter, frozen embeddings and target
-head, AdamW. Peak = the rise of the process's peak RSS (ru_maxrss) over its RSS before fit.
-Per setting, least squares over T gives fixed + per_token x T, printed next to
+Every point runs `eaglet.stages.train.kernel.fit` (what `eaglet train` runs) for one optimizer
+step (batch 1, fp32) on one random sample of T tokens, in a fresh process: drafter, frozen
+embeddings and target head, AdamW. Peak = the rise of the process's peak RSS (ru_maxrss) over
+its RSS before fit. Per setting, least squares over T gives fixed + per_token x T, printed next to
 eaglet.model.train_memory's derived per-token figure (fp32, the collated batch in the same memory).
 Then the Kimi-K2.5 projection (arithmetic only). Widths other than 576 (the demo's own shape)
 are Kimi's drafter scaled down: MHA, heads of 128, MLP 18432/7168 x H.
@@ -91,7 +91,7 @@ def one(setting: str, width: int, t: int, samples: int, steps: int, threads: int
     import torch
 
     from eaglet.model.drafter import DrafterConfig
-    from eaglet.stages import train
+    from eaglet.stages.train import kernel as train_kernel
 
     torch.set_num_threads(threads)
     vd, v, ttt = SETTINGS[setting]
@@ -118,7 +118,7 @@ def one(setting: str, width: int, t: int, samples: int, steps: int, threads: int
     with tempfile.TemporaryDirectory() as tmp:
         base, t0 = rss_mib(), time.perf_counter()
         tensors = {"embed": embed, "lm_head": lm_head, "d2t": d2t, "t2d": t2d}
-        stats = train.fit([reader], cfg, tensors, hp, Path(tmp) / "out", 10**9,
+        stats = train_kernel.fit([reader], cfg, tensors, hp, Path(tmp) / "out", 10**9,
                           device="cpu", quiet=True)  # fmt: skip
         elapsed = time.perf_counter() - t0
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024

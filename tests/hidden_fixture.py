@@ -119,19 +119,20 @@ HP = {
 
 
 def fit_tiny(bundle: dict, out: Path, draft_vocab: int = 256, init=None, **hp) -> dict:
-    """Train a drafter on a tiny-target bundle with eaglet.stages.train.fit (from the drafter
+    """Train a drafter on a tiny-target bundle with eaglet.stages.train.kernel.fit (from the drafter
     `init`, when given); return its stats."""
     from eaglet.model.drafter import DrafterConfig
-    from eaglet.stages import train, vocab
+    from eaglet.stages.train import kernel as train_kernel
+    from eaglet.stages.vocab import kernel as vocab_kernel
 
     reader = MemoryReader(bundle["samples"], bundle["config"])
     cfg = DrafterConfig.from_target(
         bundle["config"], draft_vocab, sgl_ids(TINY["num_hidden_layers"])
     )
-    d2t, t2d = vocab.select(vocab.count_tokens([reader], cfg.vocab_size), draft_vocab)
+    d2t, t2d = vocab_kernel.select(vocab_kernel.count_tokens([reader], cfg.vocab_size), draft_vocab)
     every = hp.pop("checkpoint_every", 1000)
     tensors = {"embed": bundle["embed"], "lm_head": bundle["lm_head"], "d2t": d2t, "t2d": t2d}
-    return train.fit([reader], cfg, tensors, HP | hp, out, every, quiet=True, init=init)
+    return train_kernel.fit([reader], cfg, tensors, HP | hp, out, every, quiet=True, init=init)
 
 
 def bundle(n: int = 20, prompt_len: int = 8, new_tokens: int = 16) -> dict:

@@ -63,7 +63,7 @@ def cmd_prompts(args: argparse.Namespace) -> None:
 def cmd_generate(args: argparse.Namespace) -> None:
     params = _checked(args, "responses")
     if args.dry_run:
-        from eaglet.stages import preflight
+        from eaglet.stages.responses import preflight
 
         preflight.show(preflight.preflight(params, args.dataset))
         return
@@ -76,7 +76,7 @@ def cmd_hidden(args: argparse.Namespace) -> None:
 
     params = _checked(args, "hidden")
     if args.verify:
-        from eaglet.stages.hidden_verify import verify
+        from eaglet.stages.hidden.verify import verify
 
         report = verify(
             params, args.dataset, path=args.out, samples=args.samples, threads=args.threads
@@ -113,9 +113,9 @@ def cmd_export(args: argparse.Namespace) -> None:
 
 
 def cmd_import_responses(args: argparse.Namespace) -> None:
-    from eaglet.stages import foreign
+    from eaglet.stages.responses import imported
 
-    s = foreign.import_file(_params(args), args.dataset, args.file)
+    s = imported.import_file(_params(args), args.dataset, args.file)
     cost = f", ${s['cost']:.4f}" if s["cost"] else ""
     schemas = ", ".join(f"{n} {k}" for k, n in sorted(s["schemas"].items()))
     print(

@@ -17,7 +17,7 @@ import yaml
 
 from eaglet.device import device_type, resolve_dtype
 from eaglet.errors import EagletError
-from eaglet.stages import mixture
+from eaglet.stages.train import mixture
 
 SCHEMA_PATH = Path(__file__).with_name("params.schema.yaml")
 GENERATION_KEYS = (

@@ -100,19 +100,31 @@ def test_plumbing_edits_move_no_key_and_pass_the_guard(clone):
     )
     _edit(e / "progress.py", 'f"ETA {_duration(eta)}"', 'f"eta {_duration(eta)}"')
     # wording inside a kernel: an error message of the hidden stage's sequences
-    _edit(e / "stages/hidden.py", "appears twice", "is there twice")
+    _edit(e / "stages/hidden/kernel.py", "appears twice", "is there twice")
     # a kernel function moved to another module, its kernel entry following it
     _move_function(
         pkg,
-        "select",
-        "eaglet/stages/prompts.py",
+        "measure_suites",
+        "eaglet/stages/evaluate/run.py",
         "eaglet/formats/readers.py",
         "eaglet.formats.readers",
     )
     _edit(
-        e / "stages/prompts.py",
-        '"eaglet.stages.prompts:select"',
-        '"eaglet.formats.readers:select"',
+        e / "stages/evaluate/__init__.py",
+        '"eaglet.stages.evaluate.run:measure_suites"',
+        '"eaglet.formats.readers:measure_suites"',
+    )
+    # a whole kernel module moved to another package, its kernel entry following it
+    (e / "stages/prompts/kernel.py").rename(e / "formats/selection.py")
+    _edit(
+        e / "stages/prompts/run.py",
+        "from eaglet.stages.prompts.kernel import",
+        "from eaglet.formats.selection import",
+    )
+    _edit(
+        e / "stages/prompts/__init__.py",
+        '"eaglet.stages.prompts.kernel"',
+        '"eaglet.formats.selection"',
     )
     after = _probe(pkg, params)
     assert after == before
@@ -125,7 +137,7 @@ def test_plumbing_edits_move_no_key_and_pass_the_guard(clone):
 def test_a_loss_edit_needs_a_bump_and_the_bump_moves_train_and_below(clone):
     pkg, params = clone
     before = _probe(pkg, params)["keys"]
-    train = pkg / "eaglet/stages/train.py"
+    train = pkg / "eaglet/stages/train/__init__.py"
     # the drafter's loss: a label-smoothed target distribution instead of the target's own
     _edit(
         pkg / "eaglet/model/ttt.py",
@@ -135,8 +147,8 @@ def test_a_loss_edit_needs_a_bump_and_the_bump_moves_train_and_below(clone):
     edited = _probe(pkg, params)
     assert edited["keys"] == before  # no key moves by itself ...
     [problem] = edited["problems"]  # ... but `make test` fails, naming the stage and the part
-    assert problem.startswith("stage train: its kernel changed (eaglet.model.ttt:scorer)")
-    assert "bump CODE's version in eaglet/stages/train.py" in problem
+    assert problem.startswith("stage train: its kernel changed (eaglet.model.ttt)")
+    assert "bump CODE's version in eaglet/stages/train/__init__.py" in problem
     # and in the user's clone the stage stops before it reads anything, in one line
     run = eaglet("train", "d", "--params", str(params), env=_env(pkg))
     assert run.returncode == 2 and run.stderr.count("\n") == 1, run.stderr
@@ -158,7 +170,7 @@ def test_a_loss_edit_needs_a_bump_and_the_bump_moves_train_and_below(clone):
 def test_same_bytes_records_a_refactor_without_moving_a_key(clone):
     pkg, params = clone
     before = _probe(pkg, params)["keys"]
-    vocab = pkg / "eaglet/stages/vocab.py"
+    vocab = pkg / "eaglet/stages/vocab/kernel.py"
     _edit(vocab, "def count_tokens(", "def count_tokens(  # same sums, another spelling\n    ")
     text = vocab.read_text()
     # a refactor of a kernel that writes the same bytes: a local renamed

@@ -15,7 +15,7 @@ from eaglet.model.dflash import export
 from eaglet.model.dflash.config import DFlashConfig
 from eaglet.model.dflash.train import Hyper, fit, init
 from eaglet.model.target import materialize, resolve
-from eaglet.stages import vocab
+from eaglet.stages.vocab import kernel as vocab_kernel
 
 QUESTIONS = [
     "Is it safe to put a cast iron pan in the dishwasher?",
@@ -68,8 +68,8 @@ def test_evaluate_measures_a_trained_dflash_export_on_stock_vllm(tmp_path):
     """SmolLM2's greedy answers to 8 questions, its states at EAGLE-3's layers, a 1-layer
     DFlash drafter (block 4, a 1,024-token draft vocabulary) trained on them for 50 steps,
     saved as the train stage saves it and exported; the evaluate stage's engine path
-    (evaluate.settings, evaluate.engine_metrics: a plain server, then vLLM serving the export
-    with method dflash, fp32, eager) measures it: num_steps is block_size - 1 whatever
+    (evaluate_kernel.settings, evaluate_engine.engine_metrics: a plain server, then vLLM serving
+    the export with method dflash, fp32, eager) measures it: num_steps is block_size - 1 whatever
     evaluate.num_steps lists, the plain greedy tokens are the target's own (transformers), the
     speculative ones equal them, and acceptance length and acceptance per position from
     /metrics equal eaglet's own greedy chain over the same answers with the exported (bf16)
@@ -78,7 +78,8 @@ def test_evaluate_measures_a_trained_dflash_export_on_stock_vllm(tmp_path):
 
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from eaglet.stages import evaluate
+    from eaglet.stages.evaluate import engine as evaluate_engine
+    from eaglet.stages.evaluate import kernel as evaluate_kernel
 
     torch.manual_seed(0)
     folder = materialize(resolve("smollm2-135m-instruct"))
@@ -110,7 +111,7 @@ def test_evaluate_measures_a_trained_dflash_export_on_stock_vllm(tmp_path):
     counts = torch.zeros(text["vocab_size"], dtype=torch.long)
     for s in samples:
         counts += torch.bincount(s["input_ids"][s["loss_mask"]], minlength=len(counts))
-    d2t, _ = vocab.select(counts, VOCAB)  # eaglet's vocab stage's choice over these answers
+    d2t, _ = vocab_kernel.select(counts, VOCAB)  # eaglet's vocab stage's choice over these answers
     cfg = DFlashConfig.from_target(
         text, target_layer_ids=LAYERS, mask_token_id=MASK, block_size=BLOCK, draft_vocab_size=VOCAB
     )
@@ -148,9 +149,9 @@ def test_evaluate_measures_a_trained_dflash_export_on_stock_vllm(tmp_path):
         target_max_length=1024,
         threads=2,
     )
-    cfg, method = evaluate.settings(spec, setup)
+    cfg, method = evaluate_kernel.settings(spec, setup)
     assert (method, cfg["num_steps"]) == ("dflash", [BLOCK - 1])
-    engine = evaluate.engine_metrics(spec, setup, {"q": prompts}, {EOS}, cfg, method)
+    engine = evaluate_engine.engine_metrics(spec, setup, {"q": prompts}, {EOS}, cfg, method)
     suite = engine["suites"]["q"]
     m = suite["temperature_0"][f"num_steps_{BLOCK - 1}"]
     print(f"eaglet chain {own:.3f} {per_position} over {len(rounds)} rounds; vLLM {m}")

@@ -20,16 +20,17 @@ import psutil
 import pytest
 import torch
 
-from eaglet.engines.vllm import Engine, ServeConfig, eagle3
+from eaglet.engines.vllm import Engine, ServeConfig
 from eaglet.errors import EagletError
 from eaglet.formats import exports
 from eaglet.formats.drafter import load_drafter
+from eaglet.formats.speculative import eagle3
 from eaglet.graph.keys import Keys, build
 from eaglet.model import speculative
 from eaglet.model.drafter import Drafter
 from eaglet.model.target import materialize, resolve, spec_of
-from eaglet.stages import engine_eval
-from eaglet.stages.turns import cuts
+from eaglet.stages.evaluate import engine as evaluate_engine
+from eaglet.stages.responses.turns import cuts
 
 from ..cli import command, eaglet, environ
 from ..conftest import ROOT, tiny_params, write_params
@@ -204,7 +205,7 @@ def _serve_export(
         extra_args=("--skip-tokenizer-init",),
     )
     with Engine(config, log=log) as engine:
-        runs = [engine_eval.run(engine, "target", prompts, 24, [2], 1, t) for t in temperatures]
+        runs = [evaluate_engine.run(engine, "target", prompts, 24, [2], 1, t) for t in temperatures]
     assert not servers()
     return runs
 

@@ -140,7 +140,7 @@ def test_a_stage_reading_a_cut_artifact_fails_instead_of_reading_nothing(artifac
     """hidden's responses() is a reader of upstream artifacts: it raises, writes nothing."""
     from types import SimpleNamespace
 
-    from eaglet.stages.hidden import responses
+    from eaglet.stages.hidden.run import responses
 
     artifact.write_bytes(artifact.read_bytes()[:-20])
     spec, setup = SimpleNamespace(name="d"), SimpleNamespace(responses=artifact)

@@ -158,19 +158,24 @@ def _edit(path: Path, new: str):
 
 
 def test_plumbing_edits_rerun_nothing_and_a_version_bump_reruns_downstream(repo):
-    gen = repo / "src" / "eaglet" / "stages/generate.py"
-    old = _edit(gen, "# a comment about the engine\n{old}\n# and another one\n")
+    stage = repo / "src" / "eaglet" / "stages" / "responses"
+    gen, init = stage / "run.py", stage / "__init__.py"
+    old, old_init = _edit(gen, "# a comment about the engine\n{old}\n# and another one\n"), None
     try:
         assert planned(repo) == {}
         gen.write_text(old + "\n\nRETRY_NOTE = 'plumbing: no kernel reads it'\n")
         assert planned(repo) == {}
-        gen.write_text(bump_version(old))
+        gen.write_text(old)
+        old_init = _edit(init, "{old}")
+        init.write_text(bump_version(old_init))
         # prompts are upstream of responses: they stay
         assert planned(repo) == {"responses": 2, "hidden": 2, **DRAFTER, "all": 1}
     finally:
         gen.write_text(old)
+        if old_init is not None:
+            init.write_text(old_init)
     assert planned(repo) == {}
-    hidden = repo / "src" / "eaglet" / "stages/hidden.py"
+    hidden = repo / "src" / "eaglet" / "stages" / "hidden" / "__init__.py"
     old_hidden = _edit(hidden, "{old}")
     hidden.write_text(bump_version(old_hidden))
     try:  # the hidden stage's version: hidden and downstream only
@@ -184,7 +189,7 @@ def test_plumbing_only_commit_has_nothing_to_do(repo):
     src = repo / "src" / "eaglet"
     edits = {
         src / "__init__.py": ('__version__ = "0.1.0"', '__version__ = "0.2.0"'),
-        src / "stages/preflight.py": ("requests to send", "requests that would go out"),
+        src / "stages/responses/preflight.py": ("requests to send", "requests that would go out"),
         src / "progress.py": ('f"ETA {', 'f"eta {'),
         src / "graph/keys.py": ("KEY_LEN = 12", "KEY_LEN: int = 12"),
         src / "engines/http.py": ("POOL_CONNECTIONS = 16", "POOL_CONNECTIONS = 32"),
@@ -261,7 +266,7 @@ def test_fresh_clone_plus_dvc_pull_is_up_to_date(repo, tmp_path):
 
 def test_gc_keeps_current_and_status_flags_other_code(repo):
     run(repo, *command("gc"))
-    gen = repo / "src" / "eaglet" / "stages/generate.py"
+    gen = repo / "src" / "eaglet" / "stages" / "responses" / "__init__.py"
     old = _edit(gen, "{old}")
     gen.write_text(bump_version(old))
     try:

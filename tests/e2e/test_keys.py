@@ -56,8 +56,8 @@ def _demo_keys(pkg_root: Path, cache: Path) -> dict[tuple[str, str], str]:
 
 def _bump(module: str) -> tuple[str, str, str]:
     """(file, its source, the source with the stage's version one higher)."""
-    text = (ROOT / "src" / "eaglet" / "stages" / f"{module}.py").read_text()
-    return (f"stages/{module}.py", text, bump_version(text))
+    text = (ROOT / "src" / "eaglet" / "stages" / module / "__init__.py").read_text()
+    return (f"stages/{module}/__init__.py", text, bump_version(text))
 
 
 # (file, old text or "" to append, new text, stages whose keys must move): plumbing and kernel
@@ -65,7 +65,7 @@ def _bump(module: str) -> tuple[str, str, str]:
 # bump); a stage's version bump moves that stage and its downstream, nothing else.
 EDITS = [
     ("__init__.py", '__version__ = "0.1.0"', '__version__ = "9.9.9"', set()),
-    ("stages/preflight.py", "requests to send", "requests that would go out", set()),
+    ("stages/responses/preflight.py", "requests to send", "requests that would go out", set()),
     ("progress.py", 'f"ETA {', 'f"eta {', set()),
     ("reports/status.py", '"stale"', '"out of date"', set()),
     ("cli.py", "every artifact's current key", "the current key of every artifact", set()),
@@ -73,7 +73,7 @@ EDITS = [
     ("engines/http.py", "POOL_CONNECTIONS = 16", "POOL_CONNECTIONS = 32", set()),
     ("model/drafter.py", "", "\nLAYER_NOTE = 1\n", set()),
     (*_bump("prompts"), _and_downstream("prompts")),
-    (*_bump("generate"), _and_downstream("responses")),
+    (*_bump("responses"), _and_downstream("responses")),
     (*_bump("hidden"), _and_downstream("hidden")),
     (*_bump("vocab"), _and_downstream("vocab")),
     (*_bump("train"), _and_downstream("train")),

@@ -10,7 +10,7 @@ from eaglet.formats.records import RESPONSE_FIELDS
 from eaglet.graph.keys import Keys, sidecar_of
 from eaglet.model.target import SMOLLM2, load_tokenizer, resolve
 from eaglet.params import load
-from eaglet.stages.turns import cuts
+from eaglet.stages.responses.turns import cuts
 
 from ..cli import eaglet
 from ..conftest import tiny_params, write_params

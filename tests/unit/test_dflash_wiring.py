@@ -15,7 +15,9 @@ from eaglet.graph.keys import Keys
 from eaglet.model.dflash.config import DFlashConfig
 from eaglet.model.dflash.train import Hyper, fit, init
 from eaglet.params import load
-from eaglet.stages import drafter_data, export_dflash, train_dflash
+from eaglet.stages.export import dflash as export_dflash
+from eaglet.stages.hidden import read as hidden_read
+from eaglet.stages.train import dflash as train_dflash
 
 from ..conftest import tiny_params, write_params
 from ..hidden_fixture import TINY, MemoryReader, bundle
@@ -139,9 +141,9 @@ def test_trained_folder_exports_for_both_engines(tmp_path):
 
 
 def test_the_stage_trains_on_the_stored_layers_it_names(tmp_path):
-    """train_dflash.train over a reader (the store's contract): the drafter's layers picked
-    out of the stored ones, the held-out split left out, steps from epochs, a d2t vocab; the
-    loss falls and the folder loads back."""
+    """eaglet.stages.train.dflash.train over a reader (the store's contract): the drafter's
+    layers picked out of the stored ones, the held-out split left out, steps from epochs, a d2t
+    vocab; the loss falls and the folder loads back."""
     data = bundle(n=8, new_tokens=12)
     reader = MemoryReader(data["samples"], data["config"])
     section = {"block_size": 4, "num_layers": 1, "anchors": 16, "gamma": 4.0}
@@ -156,7 +158,7 @@ def test_the_stage_trains_on_the_stored_layers_it_names(tmp_path):
     stats = train_dflash.train(
         [reader], values, "p: drafters.d.dflash", out, data["embed"], data["lm_head"], d2t
     )
-    kept, _ = drafter_data.split([reader], 0.25)
+    kept, _ = hidden_read.split([reader], 0.25)
     assert stats["samples"] == len(kept) and stats["steps"] == 6 * -(-len(kept) // 2)
     back = load_dflash(out, data["embed"])
     assert back.cfg.target_layer_ids == (1, 4) and back.cfg.draft_vocab_size == 512
@@ -170,7 +172,7 @@ def test_evaluate_sets_a_dflash_drafter_to_block_size_minus_one(tmp_path):
     """evaluate's settings for a trained DFlash folder: method dflash, num_steps block_size - 1
     whatever evaluate.num_steps lists (an EAGLE-3 folder keeps its settings, the same dict);
     its engine-only metrics give the summary."""
-    from eaglet.stages import evaluate
+    from eaglet.stages.evaluate import kernel as evaluate_kernel
 
     data = bundle(n=3, new_tokens=8)
     cfg = DFlashConfig.from_target(TINY, target_layer_ids=[1, 3, 4], mask_token_id=5, block_size=4)
@@ -179,9 +181,9 @@ def test_evaluate_sets_a_dflash_drafter_to_block_size_minus_one(tmp_path):
     save_dflash(model, trained, fit(model, data["samples"], Hyper(steps=2, batch_size=3)))
     settings = {"num_steps": [3, 7], "temperatures": [0.0]}
     spec = SimpleNamespace(values=SimpleNamespace(evaluate=settings))
-    got, method = evaluate.settings(spec, SimpleNamespace(trained=trained))
+    got, method = evaluate_kernel.settings(spec, SimpleNamespace(trained=trained))
     assert (method, got["num_steps"], settings["num_steps"]) == ("dflash", [3], [3, 7])
-    eagle = evaluate.settings(spec, SimpleNamespace(trained=tmp_path / "eagle3"))
+    eagle = evaluate_kernel.settings(spec, SimpleNamespace(trained=tmp_path / "eagle3"))
     assert eagle[0] is settings and eagle[1] == "eagle3"
 
     run = {"acceptance_length": 1.8, "acceptance_rate": [0.5, 0.4, 0.2], "greedy_equal": True}
@@ -194,6 +196,6 @@ def test_evaluate_sets_a_dflash_drafter_to_block_size_minus_one(tmp_path):
         "offline": {},
         "engine": {"engine": "vllm"},
     }
-    stats = evaluate.summary(metrics, got["num_steps"])
+    stats = evaluate_kernel.summary(metrics, got["num_steps"])
     assert stats["acceptance_length"] == 1.8 and stats["acceptance_length_by"] == "vllm"
     assert stats["suites"]["q"]["vllm_temperature_0"] == {"num_steps_3": 1.8}

@@ -13,7 +13,7 @@ from eaglet.model import arch, target_head, ttt
 from eaglet.model import drafter as drafter_module
 from eaglet.model.drafter import Drafter, DrafterConfig, KVCache
 from eaglet.params import load
-from eaglet.stages import vocab
+from eaglet.stages.vocab import kernel as vocab_kernel
 
 from ..conftest import tiny_params, write_params
 
@@ -50,15 +50,15 @@ def eagle31(cfg: DrafterConfig, seed: int = 0) -> Drafter:
 
 def test_vocab_from_hand_built_counts():
     counts = torch.tensor([5, 0, 3, 3, 7, 0, 1])
-    d2t, t2d = vocab.select(counts, 3)  # 4 (7), 0 (5), then 2 beats 3 on the tie by id
+    d2t, t2d = vocab_kernel.select(counts, 3)  # 4 (7), 0 (5), then 2 beats 3 on the tie by id
     assert (torch.arange(3) + d2t).tolist() == [0, 2, 4]
     assert d2t.tolist() == [0, 1, 2] and d2t.dtype == torch.int64
     assert t2d.tolist() == [True, False, True, False, True, False, False]
-    d2t, t2d = vocab.select(counts, 6)  # 5 ids occur: padded with the smallest unused (1)
+    d2t, t2d = vocab_kernel.select(counts, 6)  # 5 ids occur: padded with the smallest unused (1)
     assert (torch.arange(6) + d2t).tolist() == [0, 1, 2, 3, 4, 6]
     assert int(t2d.sum()) == 6 and not t2d[5]
     with pytest.raises(EagletError, match="exceeds the target vocab"):
-        vocab.select(counts, 8)
+        vocab_kernel.select(counts, 8)
 
 
 def test_vocab_counts_only_loss_masked_tokens():
@@ -72,7 +72,7 @@ def test_vocab_counts_only_loss_masked_tokens():
     ]
     for s in samples:
         s["loss_mask"] = s["loss_mask"].bool()
-    counts = vocab.count_tokens([samples], 8)
+    counts = vocab_kernel.count_tokens([samples], 8)
     assert counts.tolist() == [0, 0, 0, 3, 0, 1, 0, 0]
 
 

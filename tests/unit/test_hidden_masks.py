@@ -13,7 +13,7 @@ from types import SimpleNamespace
 import pytest
 
 from eaglet.errors import EagletError
-from eaglet.stages.hidden import sequences
+from eaglet.stages.hidden.kernel import sequences
 
 SPECIALS = ["<|im_start|>", "<|im_end|>", "<|begin_of_text|>", "<|start_header_id|>"]
 SPECIALS += ["<|end_header_id|>", "<|eot_id|>", "<think>", "</think>"]

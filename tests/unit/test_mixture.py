@@ -1,7 +1,8 @@
 """A drafter's data mixture (`datasets: {name: weight}`): exact per-dataset counts per epoch, the
 same order on resume and across processes, the list form's order unchanged, one-line errors.
 
-Most tests drive the sampler (train.Steps, eaglet.stages.mixture) directly: no model, no process.
+Most tests drive the sampler (train_data.Steps, eaglet.stages.train.mixture) directly: no model, no
+process.
 """
 
 import random
@@ -11,7 +12,9 @@ from types import SimpleNamespace
 import pytest
 
 from eaglet.errors import EagletError
-from eaglet.stages import mixture, train
+from eaglet.stages.train import data as train_data
+from eaglet.stages.train import kernel as train_kernel
+from eaglet.stages.train import mixture
 
 from ..conftest import tiny_params, write_params
 
@@ -34,9 +37,9 @@ def run(rank: int = 0, world: int = 1):
 HP = {"heldout_fraction": 0.2, "max_length": 12, "batch_size": 2, "grad_accum": 2, "seed": 7}
 
 
-def plan(readers, mix=None, epochs=3, rank=0, world=1, **hp) -> train.Steps:
+def plan(readers, mix=None, epochs=3, rank=0, world=1, **hp) -> train_data.Steps:
     hp = HP | {"epochs": epochs} | hp | ({"mixture": mix} if mix is not None else {})
-    return train.plan_steps(readers, hp, run(rank, world))[0]
+    return train_data.plan_steps(readers, hp, run(rank, world))[0]
 
 
 def old_order(train_refs: list, seed: int, epoch: int) -> list:
@@ -183,7 +186,7 @@ def tiny2():
     import torch
 
     from eaglet.model.drafter import DrafterConfig
-    from eaglet.stages import vocab
+    from eaglet.stages.vocab import kernel as vocab_kernel
 
     from ..hidden_fixture import TINY, MemoryReader, bundle, sgl_ids
 
@@ -194,13 +197,13 @@ def tiny2():
     for name, r in zip(("code", "chat"), readers, strict=True):
         r.manifest["dataset"] = name
     cfg = DrafterConfig.from_target(data["config"], 64, sgl_ids(TINY["num_hidden_layers"]))
-    d2t, t2d = vocab.select(vocab.count_tokens(readers, cfg.vocab_size), 64)
+    d2t, t2d = vocab_kernel.select(vocab_kernel.count_tokens(readers, cfg.vocab_size), 64)
     tensors = {"embed": data["embed"], "lm_head": data["lm_head"], "d2t": d2t, "t2d": t2d}
     return readers, cfg, tensors
 
 
 def test_training_reports_what_each_dataset_trained(tiny2, tmp_path):
-    """End to end through train.fit on the tiny target: two datasets weighted 1:3; the stats
+    """End to end through train_kernel.fit on the tiny target: two datasets weighted 1:3; the stats
     (the train sidecar's) and `eaglet status` give each one's samples, tokens and steps."""
     from eaglet.reports.status import _details
 
@@ -209,9 +212,9 @@ def test_training_reports_what_each_dataset_trained(tiny2, tmp_path):
     readers, cfg, tensors = tiny2
     mix = {"code": 1, "chat": 3}  # chat (6 samples) up-weighted beyond its size
     hp = TINY_HP | {"epochs": 2, "batch_size": 2, "ttt_length": 2, "mixture": mix}
-    stats = train.fit(readers, cfg, tensors, hp, tmp_path / "out", quiet=True)
+    stats = train_kernel.fit(readers, cfg, tensors, hp, tmp_path / "out", quiet=True)
 
-    steps = train.plan_steps(readers, hp, run())[0]
+    steps = train_data.plan_steps(readers, hp, run())[0]
     want = hamilton([1, 3], steps.per_epoch * steps.per_step)
     seen = stats["datasets"]
     assert [seen["code"]["samples"], seen["chat"]["samples"]] == [2 * w for w in want]
@@ -371,9 +374,9 @@ def test_training_in_phases_resumes_at_the_boundary(tiny2, tmp_path, monkeypatch
     ]
     hp = TINY_HP | {"batch_size": 2, "ttt_length": 2, "phases": phases}
     del hp["epochs"]
-    steps = train.plan_steps(readers, hp, run())[0]
+    steps = train_data.plan_steps(readers, hp, run())[0]
     boundary = steps.steps_per_epoch(steps.phases[0])
-    real_step, lengths, calls = train.train_step, {}, {"n": 0}
+    real_step, lengths, calls = train_kernel.train_step, {}, {"n": 0}
 
     def stop_at_the_boundary(t, readers, refs, hp, run, step=0):
         calls["n"] += 1
@@ -382,17 +385,17 @@ def test_training_in_phases_resumes_at_the_boundary(tiny2, tmp_path, monkeypatch
             raise KeyboardInterrupt
         return real_step(t, readers, refs, hp, run, step)
 
-    full = train.fit(readers, cfg, tensors, hp, tmp_path / "full", quiet=True)
+    full = train_kernel.fit(readers, cfg, tensors, hp, tmp_path / "full", quiet=True)
     assert full["steps"] == steps.total and full["resumed_from"] == 0
-    monkeypatch.setattr(train, "train_step", stop_at_the_boundary)
+    monkeypatch.setattr(train_kernel, "train_step", stop_at_the_boundary)
     with pytest.raises(KeyboardInterrupt):
-        train.fit(readers, cfg, tensors, hp, tmp_path / "cut", boundary, quiet=True)
+        train_kernel.fit(readers, cfg, tensors, hp, tmp_path / "cut", boundary, quiet=True)
     from eaglet.reports.status import _partial
 
     at = _partial(tmp_path / "cut", "train")  # what `eaglet status` shows of the stopped run
     assert at["step"] == boundary and at["datasets"]["chat"]["samples"] == 0
     assert at["datasets"]["code"]["samples"] == boundary * steps.per_step
-    again = train.fit(readers, cfg, tensors, hp, tmp_path / "cut", boundary, quiet=True)
+    again = train_kernel.fit(readers, cfg, tensors, hp, tmp_path / "cut", boundary, quiet=True)
     assert again["resumed_from"] == boundary
     assert again["datasets"] == full["datasets"] and again["phases"] == full["phases"]
     assert [lengths[s] for s in range(steps.total)] == [10] * boundary + [14] * (
@@ -412,7 +415,11 @@ def test_training_in_phases_resumes_at_the_boundary(tiny2, tmp_path, monkeypatch
     for r in rows[0]:  # the one schedule, times each phase's lr_scale
         s = int(r["step"]) - 1
         scale = 1.0 if s < boundary else 0.5
-        want = hp["lr"] * train.lr_factor(s, int(warmup), steps.total, hp["min_lr_ratio"]) * scale
+        want = (
+            hp["lr"]
+            * train_kernel.lr_factor(s, int(warmup), steps.total, hp["min_lr_ratio"])
+            * scale
+        )
         assert float(r["lr"]) == pytest.approx(want, rel=1e-6)
     assert [p["steps"] for p in full["phases"]] == [boundary, steps.total - boundary]
     code0 = full["phases"][0]["datasets"]["code"]

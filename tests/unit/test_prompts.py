@@ -116,7 +116,7 @@ def test_suites_are_read_in_order_and_must_not_overlap_training(project):
     from eaglet.formats import datasets
     from eaglet.formats.chat import prompt_ids
     from eaglet.model.target import SMOLLM2, load_tokenizer, resolve
-    from eaglet.stages import suites
+    from eaglet.stages.evaluate import suites
 
     from ..conftest import ROOT, tiny_params
 

@@ -80,7 +80,7 @@ def hidden_states(
     kind: str, cfg: dict, target: Any, layer_ids: list[int], threads: int | None = None
 ):
     """The hidden-states engine `kind` (`hidden.backend`) with its settings `cfg` (`hidden.*`,
-    device and dtype resolved), for `target` (eaglet.stages.hidden's Target: spec, config,
+    device and dtype resolved), for `target` (eaglet.stages.hidden.kernel's Target: spec, config,
     max_length) and the aux layers `layer_ids`."""
     module = engine(kind, "hidden", "hidden.backend")
     return module.hidden_states(cfg, target, layer_ids, threads)

@@ -16,6 +16,7 @@ import torch
 
 from eaglet.errors import EagletError
 from eaglet.formats.chat import prompt_ids, stop_ids
+from eaglet.model.capture import right_padded, unbatched
 from eaglet.model.target import TargetSpec, load_model, load_tokenizer, pick_device
 
 # speculate: eaglet's own speculative decoder (eaglet.model.speculative) runs on this
@@ -151,14 +152,9 @@ class TransformersHidden:
 
     @torch.inference_mode()
     def _forward(self, batch: list[list[int]]) -> list[States]:
-        width = max(len(s) for s in batch)
-        ids = torch.zeros((len(batch), width), dtype=torch.long)
-        for i, s in enumerate(batch):
-            ids[i, : len(s)] = torch.tensor(s)
-        self.trunk(input_ids=ids.to(self.device), use_cache=False)
-        aux = torch.stack([self._captured.pop(i) for i in self.layer_ids], dim=2).cpu()
-        last = self._captured.pop("last").cpu()
-        return [(aux[i, : len(s)], last[i, : len(s)]) for i, s in enumerate(batch)]
+        self.trunk(input_ids=right_padded(batch).to(self.device), use_cache=False)
+        aux = [self._captured.pop(i) for i in self.layer_ids]
+        return unbatched(aux, self._captured.pop("last"), batch)
 
     def close(self) -> None:
         for h in self._hooks:

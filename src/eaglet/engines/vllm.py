@@ -11,9 +11,10 @@ process group, then SIGKILL after a grace period, from `stop()`, the context man
 and, if eaglet itself is killed with SIGKILL, by the reaper the server runs under
 (eaglet.engines.reaper), which ends the group once its owner is gone. `Engine(url=...)` connects
 to a running server instead (a GPU node started by its operator) and stops nothing.
-`ServeConfig` passes `--speculative-config` (EAGLE-3 drafters: `eagle3()`),
-`--kv-transfer-config` and any extra CLI arguments through. `spec_counters()` reads the
-speculative-decoding counters of `GET /metrics` (the engine evaluation, eaglet.stages.engine_eval).
+`ServeConfig` passes `--speculative-config` (a drafter's: eaglet.formats.speculative's `eagle3()`,
+`dflash()`), `--kv-transfer-config` and any extra CLI arguments through. `Engine.metrics()` is
+the text of `GET /metrics`, whose speculative-decoding counters eaglet.formats.speculative's
+`spec_counters()` reads (the engine evaluation, eaglet.stages.evaluate.engine).
 
 Generation (`VLLMBackend`): `POST /v1/completions` with the prompt as token ids, answers as token
 ids. The prompt is rendered by the target's own chat template here (as for SGLang's `/generate`),
@@ -35,7 +36,6 @@ import collections
 import contextlib
 import json
 import os
-import re
 import shutil
 import signal
 import socket
@@ -56,6 +56,7 @@ from eaglet.engines.http import Client, Retryable, unreachable
 from eaglet.errors import EagletError
 from eaglet.formats.chat import prompt_ids, stop_ids
 from eaglet.formats.hashing import cache_dir
+from eaglet.model.capture import rms_norm, vllm_layers
 from eaglet.model.target import (
     TargetSpec,
     load_config,
@@ -164,17 +165,6 @@ class ServeConfig:
             TOKENIZERS_PARALLELISM="false",
         )
         return env
-
-
-def eagle3(draft: str | os.PathLike, num_steps: int) -> dict:
-    """The speculative config of an EAGLE-3 drafter in vLLM's (speculators) format."""
-    return {"method": "eagle3", "model": str(draft), "num_speculative_tokens": num_steps}
-
-
-def dflash(draft: str | os.PathLike, num_steps: int) -> dict:
-    """The speculative config of a DFlash drafter (z-lab's layout): num_steps = block_size - 1,
-    the masks it drafts a round (vLLM does not read block_size)."""
-    return {"method": "dflash", "model": str(draft), "num_speculative_tokens": num_steps}
 
 
 def free_port() -> int:
@@ -367,74 +357,6 @@ def _stop_group(proc: subprocess.Popen) -> None:
             break
 
 
-# ---------------------------------------------------------------------------- /metrics
-
-_SAMPLE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})?\s+(\S+)")
-_POSITION = re.compile(r'position="(\d+)"')
-
-
-@dataclass
-class SpecCounters:
-    """vLLM's speculative-decoding counters (summed over engines); subtract two for a run."""
-
-    drafts: float = 0.0
-    draft_tokens: float = 0.0
-    accepted: float = 0.0
-    per_position: dict[int, float] = field(default_factory=dict)
-    generation_tokens: float = 0.0
-
-    def __sub__(self, other: SpecCounters) -> SpecCounters:
-        keys = set(self.per_position) | set(other.per_position)
-        return SpecCounters(
-            self.drafts - other.drafts,
-            self.draft_tokens - other.draft_tokens,
-            self.accepted - other.accepted,
-            {k: self.per_position.get(k, 0.0) - other.per_position.get(k, 0.0) for k in keys},
-            self.generation_tokens - other.generation_tokens,
-        )
-
-    def summary(self) -> dict:
-        """Mean acceptance length (1 + accepted / drafts, vLLM's definition), the acceptance
-        rate at each draft position given the ones before it, and the raw counts."""
-        drafts = self.drafts
-        positions = [self.per_position[k] for k in sorted(self.per_position)]
-        before = [drafts, *positions[:-1]]
-        rates = [p / b if b else 0.0 for p, b in zip(positions, before, strict=True)]
-        return {
-            "acceptance_length": 1 + self.accepted / drafts if drafts else None,
-            "acceptance_rate": rates,
-            "accepted_per_position": [p / drafts if drafts else 0.0 for p in positions],
-            "drafts": int(drafts),
-            "draft_tokens": int(self.draft_tokens),
-            "accepted_tokens": int(self.accepted),
-            "generation_tokens": int(self.generation_tokens),
-        }
-
-
-def spec_counters(text: str) -> SpecCounters:
-    """The speculative-decoding counters in a Prometheus text exposition."""
-    c = SpecCounters()
-    for line in text.splitlines():
-        m = _SAMPLE.match(line)
-        if not m:
-            continue
-        name, labels, value = m.group(1), m.group(2) or "", float(m.group(3))
-        if name == "vllm:spec_decode_num_drafts_total":
-            c.drafts += value
-        elif name == "vllm:spec_decode_num_draft_tokens_total":
-            c.draft_tokens += value
-        elif name == "vllm:spec_decode_num_accepted_tokens_total":
-            c.accepted += value
-        elif name == "vllm:spec_decode_num_accepted_tokens_per_pos_total":
-            pos = _POSITION.search(labels)
-            if pos:
-                k = int(pos.group(1))
-                c.per_position[k] = c.per_position.get(k, 0.0) + value
-        elif name == "vllm:generation_tokens_total":
-            c.generation_tokens += value
-    return c
-
-
 # ---------------------------------------------------------------------------- generation
 
 
@@ -617,9 +539,7 @@ class VLLMHidden:
         import torch
 
         self.cfg = cfg
-        self.vllm_ids = sorted({i + 1 for i in layer_ids} | {n_layers})
-        self.aux_pos = [self.vllm_ids.index(i + 1) for i in layer_ids]
-        self.last_pos = self.vllm_ids.index(n_layers)
+        self.vllm_ids, self.aux_pos, self.last_pos = vllm_layers(layer_ids, n_layers)
         self.dtype = getattr(torch, dtype)
         norm = load_tensor(spec, "model.norm.weight")
         self.norm_weight = norm.to(self.dtype)
@@ -728,15 +648,6 @@ class VLLMHidden:
             "DeepSeek-family models (DeepSeek-V3, Kimi-K2/K2.5) only from 0.32.0 "
             "(vLLM PR #46973); run a vLLM >= 0.32.0"
         )
-
-
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """The target's final norm, as transformers' LlamaRMSNorm computes it (fp32 inside)."""
-    import torch
-
-    h = x.float()
-    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * h.to(x.dtype)
 
 
 def _hidden_states_path(answer: dict) -> dict:

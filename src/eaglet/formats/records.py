@@ -1,4 +1,5 @@
-"""The records every stage passes on: prompts and normalized responses."""
+"""The records every stage passes on: prompts and normalized responses, and their ids (a turn of
+a conversation is `<id>/<k>`: `conversation_of`)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import hashlib
 from eaglet.formats.io import dumps
 
 ID_LEN = 16
+SEP = "/"  # between a conversation's id and a turn's number: `<id>/<k>`
 RESPONSE_FIELDS = (
     "id",
     "dataset",
@@ -69,3 +71,8 @@ def response_record(prompt: dict, result: dict, backend: str, sampling: dict) ->
     if rec.get("tool_calls"):
         out["tool_calls"] = rec["tool_calls"]  # the answer's own calls (API backends)
     return out
+
+
+def conversation_of(record_id: str) -> str:
+    """The conversation a record or sample id belongs to (`<id>/<k>` -> `<id>`)."""
+    return record_id.split(SEP, 1)[0]

@@ -43,22 +43,27 @@ V = TypeVar("V")
 @dataclass(frozen=True)
 class Stage:
     name: str
-    module: str  # the stage's module: its `CODE` (version, kernel), setup and run
+    module: str  # the stage's package: its `CODE` (version, kernel) in `__init__`
     ext: str  # file suffix, or "/" for a directory artifact
     kind: str  # what the name names: "dataset" or "drafter"
     variant: tuple[str, ...] = ()  # passed on to the spec's `spec_of` (export: the format)
 
     @property
     def spec_module(self) -> str:
-        """`<module>_spec`: the spec dataclass and `spec_of`, importing no torch."""
-        return f"{self.module}_spec"
+        """`<module>.spec`: the spec dataclass and `spec_of`, importing no torch."""
+        return f"{self.module}.spec"
+
+    @property
+    def run_module(self) -> str:
+        """`<module>.run`: the stage's `setup` and `run`."""
+        return f"{self.module}.run"
 
 
 STAGES: dict[str, Stage] = {
     s.name: s
     for s in [
         Stage("prompts", "eaglet.stages.prompts", ".jsonl.zst", "dataset"),
-        Stage("responses", "eaglet.stages.generate", ".jsonl.zst", "dataset"),
+        Stage("responses", "eaglet.stages.responses", ".jsonl.zst", "dataset"),
         Stage("hidden", "eaglet.stages.hidden", "/", "dataset"),
         Stage("vocab", "eaglet.stages.vocab", ".safetensors", "drafter"),
         Stage("train", "eaglet.stages.train", "/", "drafter"),
@@ -150,7 +155,7 @@ class Keys:
     def spec(self, stage: str, name: str) -> Spec:
         """The artifact resolved: its stage's typed values, its upstream keys, its key. The
         values come from the stage's own `spec_of(keys, name)`, beside the code that reads them
-        (`eaglet.stages.<stage>_spec`)."""
+        (`eaglet.stages.<stage>.spec`)."""
         if (stage, name) not in self._memo:
             st = stage_named(stage)
             spec_of = importlib.import_module(st.spec_module).spec_of
@@ -218,8 +223,8 @@ def file_key(p: Params, path: str, where: str) -> str:
 
 
 def stage_module(stage: str) -> ModuleType:
-    """The stage's module: its spec, its setup and its run."""
-    return importlib.import_module(stage_named(stage).module)
+    """The stage's run module: its setup and its run."""
+    return importlib.import_module(stage_named(stage).run_module)
 
 
 def resolve_stage(stage: str, params: Params, name: str, **options: Any) -> tuple[Spec, Any]:

@@ -7,7 +7,7 @@ is read (or `--target-config`).
 
 - prompts: the built prompts artifact's count if there is one, else `max_samples`.
 - turns (requests a conversation): counted in the built prompts under the dataset's `turns`
-  (eaglet.stages.turns), else `expect.turns` (default 1).
+  (eaglet.stages.responses.turns), else `expect.turns` (default 1).
 - completion tokens: expected = prompts x turns x `expect.completion_tokens` (a turn's answer),
   max = prompts x turns x `max_new_tokens`; both capped by `token_budget` (the stage keeps the
   longest prefix of conversations that fits).
@@ -17,7 +17,7 @@ is read (or `--target-config`).
 - hidden tokens: a sample per turn, prompt (`expect.prompt_tokens`: a request's) + answer, at
   most the dataset's `max_length`: exact where each turn is a sample of its own (a template that
   rewrites the history, a trajectory regenerated from its recorded history), an upper bound
-  where turns share a sample (eaglet.stages.hidden.sequences).
+  where turns share a sample (eaglet.stages.hidden.kernel.sequences).
 - bytes per token: (K + 1) states x H x 2 (bf16) x the storage's measured ratio
   (STORAGE_RATIO; bf16 planes for fp32 x 2).
 - per hidden.mode (`mode_rows`): disk for hidden states and the engine's prefill tokens.
@@ -49,8 +49,8 @@ from eaglet.model import arch, train_memory
 from eaglet.model.target import need, read_config, spec_of, text_config
 from eaglet.params import Params
 from eaglet.reports import placement
-from eaglet.stages.hidden_spec import sglang_layer_ids
-from eaglet.stages.turns import cuts
+from eaglet.stages.hidden.spec import sglang_layer_ids
+from eaglet.stages.responses.turns import cuts
 
 # bytes on disk / (K+1)·H·2 as measured by benchmarks/hidden_states.py on SmolLM2 (README):
 # bf16 1.001, bf16+zstd 0.730, fp8 0.505 (1 byte a value + a float32 scale per token and

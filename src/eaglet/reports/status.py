@@ -29,8 +29,9 @@ from eaglet.graph.keys import COMMANDS, STAGES, Keys, lock_of, sidecar_of
 from eaglet.params import Params
 from eaglet.progress import BEACON
 from eaglet.reports.compare import _changed, _flat
-from eaglet.stages import regeneration
-from eaglet.stages.generate import scan, setup, spend_lines, spend_report, stop_note
+from eaglet.stages.responses import report
+from eaglet.stages.responses.kernel import stop_note
+from eaglet.stages.responses.run import scan, setup, spend_lines, spend_report
 
 RUN_FRESH_S = 60.0  # a heartbeat older than this is not a run in progress
 NO_PROVENANCE = "built from other inputs (no provenance to compare)"
@@ -356,7 +357,7 @@ def _details(row: dict) -> str:
         if (u := st.get("unwritable")) and u["count"]:
             first = u["first"][0]
             text += f", {u['count']} left out (first {first['id']}: {first['reason']})"
-        checks = regeneration.summary(st.get("regeneration", {}))
+        checks = report.summary(st.get("regeneration", {}))
         text += f"; {checks}" if checks else ""
         run = g["run"]
         if run and run["state"] == "interrupted" and g["done"] < g["turns"]:

@@ -3,7 +3,7 @@ training metrics.csv with DFlash's acc_1.. columns; EAGLE-3's start at acc_0) an
 (metrics.json and the sidecar)."""
 
 from eaglet.formats.dflash import save_dflash
-from eaglet.stages import evaluate
+from eaglet.stages.evaluate import run as evaluate_run
 
 
 def test_plots_take_dflash_metrics(tmp_path):
@@ -18,12 +18,12 @@ def test_plots_take_dflash_metrics(tmp_path):
          "acc_2": "0.3", "acc_3": "0.1"}
         for s in range(3)
     ]  # fmt: skip
-    evaluate.plot(metrics, rows, tmp_path)
+    evaluate_run.plot(metrics, rows, tmp_path)
     assert all((tmp_path / f).stat().st_size for f in ("acceptance.png", "suites.png", "loss.png"))
 
 
 def test_the_stage_writes_a_dflash_drafters_engine_metrics(tmp_path, monkeypatch):
-    """evaluate.run on a trained DFlash folder (the engine's measures stubbed): no drafter or
+    """evaluate_run.run on a trained DFlash folder (the engine's measures stubbed): no drafter or
     target loaded, no offline estimate, metrics.json and the sidecar say method dflash and its
     one num_steps, block_size - 1; engine: none is refused in one line."""
     import json
@@ -50,10 +50,10 @@ def test_the_stage_writes_a_dflash_drafters_engine_metrics(tmp_path, monkeypatch
         seen.update(model=model, target=target_model)
         return per_suite, {"engine": "vllm"}
 
-    monkeypatch.setattr(evaluate.drafter_data, "open_readers", lambda states: [])
-    monkeypatch.setattr(evaluate.drafter_data, "split", lambda readers, f: ([], []))
-    monkeypatch.setattr(evaluate.drafter_data, "close_readers", lambda readers: None)
-    monkeypatch.setattr(evaluate, "measure_suites", measured)
+    monkeypatch.setattr(evaluate_run.hidden_read, "open_readers", lambda states: [])
+    monkeypatch.setattr(evaluate_run.hidden_read, "split", lambda readers, f: ([], []))
+    monkeypatch.setattr(evaluate_run.hidden_read, "close_readers", lambda readers: None)
+    monkeypatch.setattr(evaluate_run, "measure_suites", measured)
     settings = {"num_steps": [3, 7], "temperatures": [0.0], "engine": "vllm", "in_process": True}
     spec = SimpleNamespace(
         name="d",
@@ -61,13 +61,13 @@ def test_the_stage_writes_a_dflash_drafters_engine_metrics(tmp_path, monkeypatch
         provenance=lambda: {"stage": "test"},
     )
     setup = SimpleNamespace(trained=trained, states=None, engine_url="http://engine")
-    out = evaluate.run(spec, setup, tmp_path / "out")
+    out = evaluate_run.run(spec, setup, tmp_path / "out")
     metrics = json.loads((out / "metrics.json").read_text())
     assert seen == {"model": None, "target": None}
     assert metrics["method"] == "dflash" and metrics["offline"] == {}
     assert not metrics["in_process"] and "dflash" in metrics["notes"]
-    stats = json.loads(evaluate.sidecar_of(out).read_text())["stats"]
+    stats = json.loads(evaluate_run.sidecar_of(out).read_text())["stats"]
     assert (stats["method"], stats["num_steps"], stats["acceptance_length"]) == ("dflash", 3, 1.8)
     settings["engine"] = "none"
     with pytest.raises(EagletError, match="engine: vllm"):
-        evaluate.run(spec, setup, tmp_path / "none")
+        evaluate_run.run(spec, setup, tmp_path / "none")

@@ -9,7 +9,8 @@ from eaglet.formats import exports
 from eaglet.formats.drafter import load_drafter
 from eaglet.model import speculative
 from eaglet.model.drafter import DrafterConfig
-from eaglet.stages import train, vocab
+from eaglet.stages.train import kernel as train_kernel
+from eaglet.stages.vocab import kernel as vocab_kernel
 
 from ...hidden_fixture import HP, MemoryReader, sgl_ids, tiny_llama
 
@@ -70,16 +71,18 @@ def test_vllm_serves_an_eagle31_export_as_eaglet_decodes_it(tiny_drafter, tmp_pa
     the engine's greedy text is the target's plain greedy text, and its counters are those of
     eaglet's own speculative decoding with the same weights: the same drafts, acceptance length
     and rate per position, so the engine computes the drafts eaglet's math makes."""
-    from eaglet.engines.vllm import Engine, ServeConfig, eagle3
-    from eaglet.stages import engine_eval, export
+    from eaglet.engines.vllm import Engine, ServeConfig
+    from eaglet.formats.speculative import eagle3
+    from eaglet.stages.evaluate import engine as evaluate_engine
+    from eaglet.stages.export import kernel as export_kernel
 
     target_model, data, _ = tiny_drafter
     reader = MemoryReader(data["samples"], data["config"])
     options = {"fc_norm": True, "norm_output": True}
     cfg = DrafterConfig.from_target(data["config"], 256, sgl_ids(8), options)
-    d2t, t2d = vocab.select(vocab.count_tokens([reader], cfg.vocab_size), 256)
+    d2t, t2d = vocab_kernel.select(vocab_kernel.count_tokens([reader], cfg.vocab_size), 256)
     tensors = {"embed": data["embed"], "lm_head": data["lm_head"], "d2t": d2t, "t2d": t2d}
-    train.fit([reader], cfg, tensors, HP, tmp_path / "trained", 1000, quiet=True)
+    train_kernel.fit([reader], cfg, tensors, HP, tmp_path / "trained", 1000, quiet=True)
     drafter = load_drafter(tmp_path / "trained")
     assert drafter.cfg.fc_norm and drafter.cfg.norm_output
 
@@ -89,7 +92,7 @@ def test_vllm_serves_an_eagle31_export_as_eaglet_decodes_it(tiny_drafter, tmp_pa
     out = tmp_path / "vllm"
     out.mkdir()
     exports.write(drafter, "vllm", out, verifier, num_steps=3)
-    export.validate(out, drafter)
+    export_kernel.validate(out, drafter)
 
     # eaglet's decoding with the weights vLLM serves (the export's bf16, in fp32)
     prompts = [s["input_ids"][:8].tolist() for s in data["samples"]]
@@ -107,7 +110,7 @@ def test_vllm_serves_an_eagle31_export_as_eaglet_decodes_it(tiny_drafter, tmp_pa
         extra_args=("--skip-tokenizer-init",),
     )
     with Engine(config, log=tmp_path / "log") as engine:
-        served = engine_eval.run(engine, "target", prompts, 24, [2], 1)
+        served = evaluate_engine.run(engine, "target", prompts, 24, [2], 1)
     m = served["counters"].summary()
     assert served["outputs"] == plain
     assert m["drafts"] == oracle["rounds"]

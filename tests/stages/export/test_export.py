@@ -14,7 +14,8 @@ from eaglet.formats import exports
 from eaglet.formats.drafter import load_drafter
 from eaglet.model.arch import NORMS
 from eaglet.model.drafter import Drafter, DrafterConfig
-from eaglet.stages import export
+from eaglet.stages.export import kernel as export_kernel
+from eaglet.stages.export import run as export_run
 
 from ...hidden_fixture import TINY, sgl_ids, tiny_llama
 from ...unit.test_drafter import eagle31
@@ -68,10 +69,10 @@ def test_sglang_export_round_trip(trained, tmp_path):
     assert sum(k.startswith("midlayer.") for k in tensors) == 10
     assert tensors["d2t"].dtype == torch.int64 and tensors["t2d"].dtype == torch.bool
     assert torch.equal(tensors["d2t"], trained.d2t)
-    report = export.validate(out, trained)
+    report = export_kernel.validate(out, trained)
     assert report["format"] == "sglang" and report["aux_layer_ids"] == [1, 3, 4]
     assert min(report["top1_agreement_vs_fp32"]) > 0.9
-    cmd = export.serve_command("sglang", "org/tiny", "models/d/sglang/k", 3)
+    cmd = export_run.serve_command("sglang", "org/tiny", "models/d/sglang/k", 3)
     assert "--speculative-algorithm EAGLE3" in cmd and "--speculative-num-draft-tokens 4" in cmd
 
 
@@ -106,9 +107,9 @@ def test_vllm_export_round_trip(trained, tmp_path):
     assert tensors["embed_tokens.weight"].shape == (1024, 256)
     assert sum(k.startswith("layers.0.") for k in tensors) == 10
     assert not any(k.startswith(("midlayer.", "verifier")) for k in tensors)
-    report = export.validate(out, trained)
+    report = export_kernel.validate(out, trained)
     assert report["format"] == "vllm" and report["aux_layer_ids"] == [2, 4, 5]
-    cmd = export.serve_command("vllm", "org/tiny", "models/d/vllm/k", 3)
+    cmd = export_run.serve_command("vllm", "org/tiny", "models/d/vllm/k", 3)
     assert '"method":"eagle3"' in cmd and '"num_speculative_tokens":3' in cmd
 
 
@@ -160,7 +161,7 @@ def test_validator_rejects_what_engines_would_load_silently(trained, tmp_path):
     for i, (fmt, cfg_edit, t_edit, message) in enumerate(cases):
         bad = _broken(good[fmt], tmp_path / f"bad{i}", cfg_edit, t_edit)
         with pytest.raises(EagletError, match=message):
-            export.validate(bad, trained)
+            export_kernel.validate(bad, trained)
 
 
 # ------------------------------------------------------------------ EAGLE-3.1's options
@@ -181,10 +182,10 @@ def test_eagle31_exports_carry_the_options_and_their_weights(trained, tmp_path):
     tensors = load_file(str(out / "model.safetensors"))
     assert tensors["input_norm.weight"].shape == (3 * 256,)
     assert [tensors[f"fc_norm.{i}.weight"].shape for i in range(3)] == [(256,)] * 3
-    assert export.validate(out, model)["format"] == "vllm"
+    assert export_kernel.validate(out, model)["format"] == "vllm"
     flipped = _broken(out, tmp_path / "flipped", lambda c: c.update(norm_output=False))
     with pytest.raises(EagletError, match=r"differs from the trained drafter: \{'norm_output'"):
-        export.validate(flipped, model)
+        export_kernel.validate(flipped, model)
 
     with pytest.raises(EagletError) as e:
         exports.write(model, "sglang", tmp_path, VERIFIER)
@@ -203,7 +204,7 @@ def test_eagle31_exports_carry_the_options_and_their_weights(trained, tmp_path):
     assert not {"norm_before_fc", "norm_before_residual"} & set(config)
     tensors = load_file(str(out / "model.safetensors"))
     assert {f"fc_norm.{i}.weight" for i in range(3)} <= set(tensors)
-    assert export.validate(out, served)["format"] == "sglang"
+    assert export_kernel.validate(out, served)["format"] == "sglang"
 
 
 class CachedAttention(nn.Module):

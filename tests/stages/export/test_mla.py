@@ -20,7 +20,9 @@ from eaglet.formats.drafter import load_drafter
 from eaglet.model import arch
 from eaglet.model import drafter as drafter_module
 from eaglet.model.drafter import Drafter
-from eaglet.stages import export, train, vocab
+from eaglet.stages.export import kernel as export_kernel
+from eaglet.stages.train import kernel as train_kernel
+from eaglet.stages.vocab import kernel as vocab_kernel
 
 from ...hidden_fixture import HP, MemoryReader
 from ...kimi_fixture import TEXT
@@ -34,7 +36,7 @@ from .test_export import _broken
 
 @pytest.fixture(scope="module")
 def trained_mla(tmp_path_factory):
-    """An MLA drafter trained by train.fit (the training-time test, 3 steps) on the Kimi
+    """An MLA drafter trained by train_kernel.fit (the training-time test, 3 steps) on the Kimi
     miniature's states (its DeepSeek-V3 text model as tests/kimi_fixture.py builds it, lm_head
     scaled so that its next-token distribution is peaked, as a trained model's is) over random
     token sequences, the draft vocab its most frequent argmaxes; and its metrics rows."""
@@ -61,12 +63,14 @@ def trained_mla(tmp_path_factory):
     reader = MemoryReader(samples, SimpleNamespace(**TEXT))
     lm_head = target.lm_head.weight.clone()
     argmax = torch.cat([(s["last"] @ lm_head.T).argmax(-1)[answer] for s in samples])
-    d2t, t2d = vocab.select(torch.bincount(argmax, minlength=TEXT["vocab_size"]), DRAFT_VOCAB)
+    d2t, t2d = vocab_kernel.select(
+        torch.bincount(argmax, minlength=TEXT["vocab_size"]), DRAFT_VOCAB
+    )
     embed = target.model.embed_tokens.weight.clone()
     tensors = {"embed": embed, "lm_head": lm_head, "d2t": d2t, "t2d": t2d}
     out = tmp_path_factory.mktemp("mla") / "trained"
     hp = HP | {"epochs": 10, "batch_size": 2, "heldout_fraction": 0.2}
-    stats = train.fit([reader], mla_config(), tensors, hp, out, quiet=True)
+    stats = train_kernel.fit([reader], mla_config(), tensors, hp, out, quiet=True)
     with open(out / "metrics.csv") as f:
         rows = list(csv.DictReader(f))
     return load_drafter(out), stats, rows
@@ -161,7 +165,7 @@ def test_an_mla_drafter_trains_exports_and_vllm_computes_its_logits(
         folders[fmt] = tmp_path / fmt
         folders[fmt].mkdir()
         exports.write(model, fmt, folders[fmt], {"name_or_path": "kimi", "architectures": []})
-        report = export.validate(folders[fmt], model)
+        report = export_kernel.validate(folders[fmt], model)
         assert report["format"] == fmt and report["max_abs_diff"] <= 1e-4
     vc = json.loads((folders["vllm"] / "config.json").read_text())
     sc = json.loads((folders["sglang"] / "config.json").read_text())
@@ -257,7 +261,7 @@ def test_vllm_reads_the_eagle31_options_of_an_mla_export(trained_mla, vllm_mla, 
     folder = tmp_path / "vllm"
     folder.mkdir()
     exports.write(with_options, "vllm", folder, {})
-    assert export.validate(folder, with_options)["format"] == "vllm"
+    assert export_kernel.validate(folder, with_options)["format"] == "vllm"
     served, config, _ = vllm_mla(folder)
     assert all(getattr(config, f) is True for f in exports.VLLM_MLA_NORMS)
     g = torch.Generator().manual_seed(3)
@@ -301,7 +305,7 @@ def test_what_an_engine_cannot_serve_is_refused_in_one_line(trained_mla, tmp_pat
     for i, (fmt, edit_config, edit_tensors, message) in enumerate(broken):
         bad = _broken(good[fmt], tmp_path / f"bad{i}", edit_config, edit_tensors)
         with pytest.raises(EagletError, match=message):
-            export.validate(bad, model)
+            export_kernel.validate(bad, model)
     plain_q = Drafter(dataclasses.replace(model.cfg, q_lora_rank=None))
     plain_q.load_state_dict(model.state_dict(), strict=False)  # d2t, t2d, the rest
     folder = tmp_path / "sglang"
@@ -310,4 +314,4 @@ def test_what_an_engine_cannot_serve_is_refused_in_one_line(trained_mla, tmp_pat
     assert json.loads((folder / "config.json").read_text())["q_lora_rank"] is None
     names = load_file(str(folder / "model.safetensors"))
     assert "midlayer.self_attn.q_proj.weight" in names and not any("q_a_" in n for n in names)
-    assert export.validate(folder, plain_q)["format"] == "sglang"
+    assert export_kernel.validate(folder, plain_q)["format"] == "sglang"

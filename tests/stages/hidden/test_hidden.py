@@ -23,7 +23,7 @@ from eaglet.graph.keys import Keys, build, sidecar_of
 from eaglet.model.target import SMOLLM2, load_model, load_tokenizer, resolve
 from eaglet.params import load
 from eaglet.reports import status
-from eaglet.stages.hidden_verify import verify
+from eaglet.stages.hidden.verify import verify
 
 from ...cli import command, environ
 from ...conftest import DEMO

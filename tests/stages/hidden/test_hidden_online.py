@@ -18,7 +18,7 @@ from eaglet.formats.io import read_json
 from eaglet.graph.keys import Keys, build
 from eaglet.params import load
 from eaglet.reports import status
-from eaglet.stages import drafter_data
+from eaglet.stages.hidden import read as hidden_read
 
 from ...cli import command, eaglet, environ
 from ...conftest import DEMO, tiny_params
@@ -80,8 +80,8 @@ def test_online_kill_resume_matches_offline(root, capsys):
     assert all(torch.equal(got[k], want[k]) for k in want)
 
     # the online states equal the offline shards' (transformers fp32) to the engine's noise
-    ref = drafter_data.open_readers(drafter_data.states(load(root / "offline.yaml"), "d"))
-    got = drafter_data.open_readers(drafter_data.states(params, "d"))
+    ref = hidden_read.open_readers(hidden_read.states(load(root / "offline.yaml"), "d"))
+    got = hidden_read.open_readers(hidden_read.states(params, "d"))
     try:
         for r, g in zip(ref, got, strict=True):
             for sid in r.ids[:3]:
@@ -91,7 +91,7 @@ def test_online_kill_resume_matches_offline(root, capsys):
                     err = (a[f] - b[f]).norm(dim=-1) / a[f].norm(dim=-1)
                     assert err.max() < 1e-4, (sid, f, float(err.max()))
     finally:
-        drafter_data.close_readers(got)
+        hidden_read.close_readers(got)
     assert not engines_of(spool)
 
     # kill -9 mid-training: the reaper ends the engine; the rerun resumes from the checkpoint

@@ -1,5 +1,5 @@
 """Growth computes only what is new: the hidden stage reuses, per sample, states that another
-complete hidden-states directory of the dataset holds (eaglet.stages.hidden.Reuse).
+complete hidden-states directory of the dataset holds (eaglet.stages.hidden.kernel.Reuse).
 
 Real forward passes of the embedded target (SmolLM2-135M, fp32, one sequence per forward); the
 oracle is the same params built from scratch in another project folder.
@@ -22,7 +22,7 @@ from eaglet.graph import keys as graph_keys
 from eaglet.graph.keys import Keys, sidecar_of
 from eaglet.model.target import SMOLLM2, load_tokenizer, resolve
 from eaglet.params import load
-from eaglet.stages import hidden
+from eaglet.stages.hidden import run as hidden_run
 
 from ...conftest import DEMO
 
@@ -41,7 +41,7 @@ def tok():
 def forwards():
     """Counts of target loads and of sequences sent through the target's forward pass."""
     counted = {"loads": 0, "samples": 0}
-    real = hidden.hidden_states
+    real = hidden_run.hidden_states
 
     def counting(*args, **kwargs):
         backend = real(*args, **kwargs)
@@ -56,7 +56,7 @@ def forwards():
         return backend
 
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(hidden, "hidden_states", counting)
+        mp.setattr(hidden_run, "hidden_states", counting)
         yield counted
 
 
@@ -234,7 +234,7 @@ def test_a_killed_growth_resumes_its_reused_shards(grown, tok, forwards, tmp_pat
         raise KeyboardInterrupt  # as a kill between the reused shards and the first forward
 
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(hidden, "hidden_states", killed)
+        mp.setattr(hidden_run, "hidden_states", killed)
         with pytest.raises(KeyboardInterrupt):
             build(root, tok, forwards, 12, 1)
     partial = folder / f".{o.name}.partial"

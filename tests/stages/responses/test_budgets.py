@@ -20,7 +20,7 @@ from eaglet.formats.io import dumps, read_jsonl
 from eaglet.formats.store import Store, charged, store_path
 from eaglet.graph.keys import Keys, build, sidecar_of
 from eaglet.params import load
-from eaglet.stages.preflight import preflight
+from eaglet.stages.responses.preflight import preflight
 
 from ...conftest import ROOT, write_params
 from ...fake_llm import FakeLLM, openai_answer

@@ -22,7 +22,7 @@ from eaglet.graph.keys import Keys, build, resolve_stage, sidecar_of
 from eaglet.model.target import SMOLLM2, load_tokenizer, resolve
 from eaglet.params import load
 from eaglet.reports import status
-from eaglet.stages.preflight import preflight
+from eaglet.stages.responses.preflight import preflight
 
 from ... import cli
 from ...conftest import ROOT, write_params
@@ -587,7 +587,7 @@ def test_the_dry_run_finds_the_de_quantized_builtin_where_the_run_puts_it():
     """The dry run loads the built-in target's tokenizer only once its GGUF is de-quantized,
     looking where materialize puts it."""
     from eaglet.model.target import materialize
-    from eaglet.stages.preflight import gguf_converted
+    from eaglet.stages.responses.preflight import gguf_converted
 
     spec = resolve(SMOLLM2)
     materialize(spec)
@@ -638,7 +638,7 @@ def test_truncated_answers_are_dropped_by_default_and_counted(tmp_path, server):
 def test_the_regeneration_report_counts_each_check_and_names_the_first_records():
     """Records with known defects, one each: the report counts them and names them."""
     from eaglet.formats.grammar import grammar
-    from eaglet.stages.regeneration import report
+    from eaglet.stages.responses.report import report
 
     def rec(rid, text="fine", reasoning=None, mode=None, messages=None, calls=None):
         r = {"id": rid, "response": text, "reasoning": reasoning, "tool_calls": calls}

@@ -17,7 +17,7 @@ from eaglet.formats.store import Store
 from eaglet.graph.keys import Keys, resolve_stage
 from eaglet.model.target import load_tokenizer, resolve
 from eaglet.params import load
-from eaglet.stages.generate import scan
+from eaglet.stages.responses.run import scan
 
 from ...conftest import write_params
 from ...kimi_api import KimiAPI

@@ -9,7 +9,9 @@ import torch
 from eaglet.formats.drafter import load_drafter
 from eaglet.model import ttt
 from eaglet.model.target_head import TargetHead, shift
-from eaglet.stages import drafter_data, evaluate, train
+from eaglet.stages.evaluate import kernel as evaluate_kernel
+from eaglet.stages.hidden import read as hidden_read
+from eaglet.stages.train import kernel as train_kernel
 
 from ...hidden_fixture import HP, MemoryReader, bundle, fit_tiny
 from ...unit.test_select import SELECT
@@ -27,7 +29,7 @@ def data():
 
 def split(b: dict):
     reader = MemoryReader(b["samples"], b["config"])
-    train_refs, held = drafter_data.split([reader], HP["heldout_fraction"])
+    train_refs, held = hidden_read.split([reader], HP["heldout_fraction"])
     return reader, train_refs, held
 
 
@@ -50,8 +52,9 @@ def full_vocab_chain(model, reader, refs, lm_head, steps: int) -> float:
 
 
 def test_the_chain_estimates_equal_the_full_vocab_oracle(data, tmp_path):
-    """train.offline_acceptance (cut at max_length, batches of batch_size) and evaluate.offline
-    (whole samples), both draft-vocab p in chunks, against whole full-vocab logits."""
+    """train_kernel.offline_acceptance (cut at max_length, batches of batch_size) and
+    evaluate_kernel.offline (whole samples), both draft-vocab p in chunks, against whole
+    full-vocab logits."""
     fit_tiny(data, tmp_path / "d", epochs=3)
     model = load_drafter(tmp_path / "d")
     reader, train_refs, held = split(data)
@@ -60,8 +63,8 @@ def test_the_chain_estimates_equal_the_full_vocab_oracle(data, tmp_path):
     hp = HP | {"select": SELECT}
     for refs in (train_refs, held):
         oracle = full_vocab_chain(model, reader, refs, data["lm_head"], 3)
-        mine = train.offline_acceptance(model, [reader], refs, hp, head, run)
-        full = evaluate.offline(model, [reader], refs, data["lm_head"], [1, 3])
+        mine = train_kernel.offline_acceptance(model, [reader], refs, hp, head, run)
+        full = evaluate_kernel.offline(model, [reader], refs, data["lm_head"], [1, 3])
         assert mine == pytest.approx(oracle, abs=1e-6)
         assert full["num_steps_3"]["acceptance_length"] == pytest.approx(oracle, abs=1e-6)
         assert full["num_steps_1"]["acceptance_length"] <= oracle
@@ -76,7 +79,7 @@ def test_the_best_epoch_is_the_drafter_and_the_curve_is_recorded(data, tmp_path)
     assert sel["epoch"] == sel["curve"].index(max(sel["curve"]))
     assert sel["step"] == (sel["epoch"] + 1) * stats["steps"] // 4
     model = load_drafter(tmp_path / "d")
-    full = evaluate.offline(model, [reader], held, data["lm_head"], [3])  # the kept weights
+    full = evaluate_kernel.offline(model, [reader], held, data["lm_head"], [3])  # the kept weights
     assert full["num_steps_3"]["acceptance_length"] == pytest.approx(sel["value"], abs=1e-6)
     with open(tmp_path / "d" / "heldout.csv", newline="") as f:
         rows = list(csv.DictReader(f))
@@ -91,7 +94,7 @@ def scripted(monkeypatch, curve: list[float]) -> list[dict]:
         seen.append({k: v.clone() for k, v in model.state_dict().items()})
         return curve[len(seen) - 1]
 
-    monkeypatch.setattr(train, "offline_acceptance", measure)
+    monkeypatch.setattr(train_kernel, "offline_acceptance", measure)
     return seen
 
 
@@ -107,7 +110,7 @@ def test_an_earlier_epoch_wins_and_survives_a_resume(data, tmp_path, monkeypatch
     assert not torch.equal(kept["fc.weight"], seen[3]["fc.weight"])
 
     per_epoch = stats["steps"] // 4
-    real_step = train.train_step
+    real_step = train_kernel.train_step
     calls = {"n": 0}
 
     def stop_in_epoch_four(t, readers, refs, hp, run, step=0):
@@ -116,7 +119,7 @@ def test_an_earlier_epoch_wins_and_survives_a_resume(data, tmp_path, monkeypatch
             raise KeyboardInterrupt
         return real_step(t, readers, refs, hp, run, step)
 
-    monkeypatch.setattr(train, "train_step", stop_in_epoch_four)
+    monkeypatch.setattr(train_kernel, "train_step", stop_in_epoch_four)
     scripted(monkeypatch, [1.2, 1.5, 1.3, 1.1])
     with pytest.raises(KeyboardInterrupt):
         fit_tiny(data, tmp_path / "resumed", epochs=4, select=SELECT, checkpoint_every=1)

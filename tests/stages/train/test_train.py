@@ -140,13 +140,13 @@ class Lengths:
 
 
 def test_overlong_samples_are_cut_or_skipped_and_counted():
-    from eaglet.stages import train
+    from eaglet.stages.train import data as train_data
 
     readers = [Lengths(10, 50), Lengths(33, 32)]
     refs = [(0, "s0"), (0, "s1"), (1, "s0"), (1, "s1")]
-    kept, cut = train.overlong(readers, refs, {"max_length": 32})
+    kept, cut = train_data.overlong(readers, refs, {"max_length": 32})
     assert kept == refs and cut == {"policy": "truncate", "samples": 2, "tokens_lost": 18 + 1}
-    kept, skipped = train.overlong(readers, refs, {"max_length": 32, "overlong": "skip"})
+    kept, skipped = train_data.overlong(readers, refs, {"max_length": 32, "overlong": "skip"})
     assert kept == [(0, "s0"), (1, "s1")]
     assert skipped == {"policy": "skip", "samples": 2, "tokens_lost": 50 + 33}
 
@@ -155,7 +155,7 @@ def test_a_sample_that_would_not_fit_the_gpu_is_one_error_before_training():
     from eaglet.errors import EagletError
     from eaglet.model import drafter, target_head, train_memory
     from eaglet.model.drafter import DrafterConfig
-    from eaglet.stages import train
+    from eaglet.stages.train import run as train_run
 
     constants = (train_memory.LOGITS, train_memory.SCORES, train_memory.CHAIN)
     assert constants == (target_head.LOGITS, drafter.SCORES, drafter.CHAIN)
@@ -170,6 +170,6 @@ def test_a_sample_that_would_not_fit_the_gpu_is_one_error_before_training():
     memory = int(train_memory.estimate(shape, 2 * 4000, "bfloat16")["peak"])  # 4,000 tokens fit
     readers, names = [Lengths(100, 3000), Lengths(5000, 200)], ["short", "long"]
     with pytest.raises(EagletError, match=r"dataset long: a sample of 5,000 tokens \(batch 2\)"):
-        train.check_fits(readers, names, cfg, hp, memory)
-    train.check_fits(readers, names, cfg, hp | {"max_length": 4000}, memory)  # cut: fits
-    train.check_fits(readers, names, cfg, hp | {"max_length": 4000, "overlong": "skip"}, memory)
+        train_run.check_fits(readers, names, cfg, hp, memory)
+    train_run.check_fits(readers, names, cfg, hp | {"max_length": 4000}, memory)  # cut: fits
+    train_run.check_fits(readers, names, cfg, hp | {"max_length": 4000, "overlong": "skip"}, memory)

@@ -12,7 +12,7 @@ from eaglet.errors import EagletError
 from eaglet.formats import exports
 from eaglet.formats.drafter import load_drafter
 from eaglet.model.drafter import Drafter
-from eaglet.stages import warm_start
+from eaglet.stages.train import warm_start
 
 from ...hidden_fixture import fit_tiny
 

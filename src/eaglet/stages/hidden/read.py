@@ -15,10 +15,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from eaglet.errors import EagletError
+from eaglet.formats.records import conversation_of
 from eaglet.graph.keys import Keys, resolve_stage
 from eaglet.params import Params
-from eaglet.stages.hidden_spec import Setup
-from eaglet.stages.turns import conversation_of
+from eaglet.stages.hidden.spec import Setup
 
 Ref = tuple[int, str]  # (reader index, sample id)
 
@@ -56,7 +56,7 @@ def open_readers(states: States) -> list:
         readers.append(HiddenReader(path))
     check_compatible(readers, list(states.paths))
     if readers[0].manifest.get("mode"):
-        from eaglet.stages.hidden_online import online_readers
+        from eaglet.stages.hidden.online import online_readers
 
         return online_readers(states.engine, readers)  # type: ignore[arg-type]
     return readers

@@ -22,7 +22,7 @@ from fractions import Fraction
 
 from eaglet.errors import EagletError
 
-Ref = tuple[int, str]  # (reader index, sample id), as eaglet.stages.drafter_data
+Ref = tuple[int, str]  # (reader index, sample id), as eaglet.stages.hidden.read
 
 
 def weights_of(datasets: list | dict) -> dict | None:

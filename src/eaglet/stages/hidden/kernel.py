@@ -1,112 +1,39 @@
-"""The hidden-states stage: the target re-reads every prompt + response; its features are stored.
-
-Per response the sequence is the prompt as the target's template renders it with the
-generation prompt, then exactly the tokens the target generated (`output_ids`, end token
-included: the engine's, or a text answer written in the target's grammar by the responses
-stage). The loss mask is True on the generated tokens only. Each sequence is cut at the
-dataset's `max_length` (default `target.max_length`).
-
-The target is run once per sequence (batched by length) and the outputs of the aux layers
-(SGLang ids, default [1, N//2-1, N-4]) and the final post-norm state are stored in shards
-(`eaglet.formats.hidden_store`), built in a partial directory that survives kills and resumes
-shard by shard. Layer conventions: SGLang id i = output of decoder layer i = vLLM id i+1 =
-index i+1 of transformers' `output_hidden_states`, whose last entry (N) is the post-norm state.
-
-Growth computes only what is new: a sample whose states another complete directory of the
-dataset already holds (a sibling of the output whose provenance gives the same states,
-`same_states`, listing the same id, response hash and token count) is read from it, shard by
-shard with its SHA-256 checked, and written exactly as a computed one (`Reuse`); only the rest
-goes through the target, which is not loaded at all when nothing is left. The directory's bytes
-are the same either way; its sidecar counts `reused`, `computed` and the keys `reused_from`.
-"""
+"""What decides the hidden states' bytes: the token sequences of each response, the shard plan,
+the batches run through the target, what is reused from an earlier key, and the manifest."""
 
 from __future__ import annotations
 
 import hashlib
 import json
 import sys
-import time
 from collections import Counter
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from eaglet.engines.lookup import hidden_states
 from eaglet.errors import EagletError
 from eaglet.formats.chat import prompt_ids
 from eaglet.formats.hidden_store import (
     FORMAT,
     MANIFEST,
     HiddenReader,
-    PartialDir,
     Storage,
-    write_manifest_only,
 )
-from eaglet.formats.io import dumps, read_jsonl, write_json
-from eaglet.graph.code import Code
-from eaglet.graph.keys import Keys, Spec, sidecar_of
+from eaglet.formats.io import dumps
+from eaglet.formats.records import SEP, conversation_of
+from eaglet.graph.keys import Spec
 from eaglet.model.target import TargetSpec, load_config, load_tokenizer
-from eaglet.progress import BEACON, Progress
-from eaglet.stages.hidden_spec import HiddenSpec, Setup
-from eaglet.stages.turns import SEP, conversation_of
-
-# How each backend gets the final state: the engines give the last layer's output, and eaglet
-# applies the target's final RMSNorm (vLLM); SGLang and the hook read it after the norm.
-# The code that shapes this stage's bytes (eaglet.graph.code): bump the version when they change.
-CODE = Code(
-    version=1,
-    kernel=(
-        "eaglet.stages.hidden:Target",
-        "eaglet.stages.hidden:sequence",
-        "eaglet.stages.hidden:sequences",
-        "eaglet.stages.hidden:_extends",
-        "eaglet.stages.turns:conversation_of",
-        "eaglet.stages.hidden:plan_shards",
-        "eaglet.stages.hidden:length_batches",
-        "eaglet.stages.hidden:run_samples",
-        "eaglet.stages.hidden:_manifest",
-        "eaglet.stages.hidden:_sample_meta",
-        "eaglet.stages.hidden:Reuse",
-        "eaglet.stages.hidden:same_states",
-        "eaglet.stages.hidden:_without",
-        "eaglet.formats.hidden_store:decode",
-        "eaglet.formats.hidden_store:dequantize_fp8",
-        "eaglet.formats.hidden_store:join_planes",
-        "eaglet.formats.hidden_store:HiddenReader.read",
-        "eaglet.formats.hidden_store:Storage",
-        "eaglet.formats.hidden_store:quantize_fp8",
-        "eaglet.formats.hidden_store:split_planes",
-        "eaglet.formats.hidden_store:encode",
-        "eaglet.formats.hidden_store:write_shard",
-        "eaglet.formats.hidden_store:shard_name",
-        "eaglet.formats.chat",
-        "eaglet.engines.transformers:TransformersHidden",
-        "eaglet.engines.vllm:VLLMHidden",
-        "eaglet.engines.vllm:rms_norm",
-        "eaglet.engines.hidden_connector",
-        "eaglet.formats.hidden_store:write_manifest_only",
-    ),
-)
+from eaglet.stages.hidden.spec import Setup
 
 LAST_STATE = {
     "transformers": "hooked after the final norm",
     "sglang": "returned by the server after the final norm",
     "vllm": "last layer output from the engine, final norm applied by eaglet",
 }
+
+
 VOLATILE_CONFIG_KEYS = ("transformers_version", "_name_or_path", "_model_name_or_path", "dtype")
-
-
-def setup(
-    keys: Keys, spec: Spec[HiddenSpec], threads: int | None = None, quiet: bool = False
-) -> Setup:
-    """Beside the spec: where things are and the engine's settings."""
-    params, dataset = keys.params, spec.name
-    compute, engine = spec.values.compute, dict(params.data["hidden"])
-    if "device" in compute:  # eaglet runs the target: as the key resolved it
-        engine |= {"device": compute["device"], "compute_dtype": compute["dtype"]}
-    out, responses = keys.path("hidden", dataset), keys.path("responses", dataset)
-    return Setup(out, responses, keys.target, engine, str(params.path), threads, quiet)
 
 
 class Target:
@@ -167,9 +94,9 @@ def sequence(rec: dict, target: Target) -> tuple[dict | None, dict]:
 def sequences(records: list[dict], target: Target, source: Path) -> tuple[list[dict], dict]:
     """Samples of every usable record (record order) and counts of what happened to the rest.
 
-    The turns of one conversation (`<id>/<k>`, eaglet.stages.turns) share a sample wherever
-    the next turn's prompt, as the template renders it, starts with the sample so far: every
-    token of it is then what the target saw when it generated that turn, and the sample
+    The turns of one conversation (`<id>/<k>`, eaglet.stages.responses.turns) share a sample
+    wherever the next turn's prompt, as the template renders it, starts with the sample so far:
+    every token of it is then what the target saw when it generated that turn, and the sample
     supervises each turn in its own context. Where the template rewrites the history (Kimi
     drops earlier reasoning) or the sample would pass max_length, the turn starts a sample of
     its own. A sample's id is its first turn's (`<id>` for the first)."""
@@ -376,117 +303,6 @@ class Reuse:
                     self.source_of[sid] = other
 
 
-def responses(spec: Spec, setup: Setup) -> list[dict]:
-    """The upstream response records, or an error naming what is missing."""
-    if not setup.responses.exists():
-        raise EagletError(f"hidden {spec.name}: responses not built yet: {setup.responses}")
-    return list(read_jsonl(setup.responses))
-
-
-def run(spec: Spec[HiddenSpec], setup: Setup, out: Path) -> Path:
-    """Make the hidden-states directory `out` that `spec` describes; return it."""
-    t0 = time.monotonic()
-    v = spec.values
-    target = Target.of(spec, setup)  # first: a target eaglet cannot read stops here
-    load_s = time.monotonic() - t0
-    records = responses(spec, setup)
-    ids = v.aux_layer_ids
-    samples, stats = sequences(records, target, setup.responses)
-    if not samples:
-        raise EagletError(f"{setup.responses}: no response gives a training sequence ({stats})")
-    storage = Storage(v.dtype, v.storage["compress"], v.storage["fp8"])
-    n_aux, hidden = len(ids), target.config.hidden_size
-    if v.mode != "offline":  # the states come from the engine at training
-        manifest = _manifest(spec, target, storage, v.compute.get("dtype"), [], stats)
-        manifest["samples"] = [_sample_meta(s, None) for s in samples]
-        write_json(sidecar_of(out), {"provenance": spec.provenance(), "stats": stats})
-        return write_manifest_only(out, manifest, samples)
-    plan = plan_shards(samples, storage.token_bytes(n_aux, hidden), v.storage["shard_mb"] * 2**20)
-    digest = [spec.key, storage.to_dict(), ids]
-    digest += [[(samples[i]["id"], samples[i]["response_sha256"]) for i in p] for p in plan]
-    rerun = f"rerun: eaglet hidden {spec.name}"
-    partial = PartialDir(out, hashlib.sha256(dumps(digest).encode()).hexdigest(), rerun)
-    if partial.done:
-        print(
-            f"hidden {spec.name}: resuming: {len(partial.done)} of {len(plan)} shards complete",
-            file=sys.stderr,
-        )
-    todo = [samples[i] for n, shard in enumerate(plan) if n not in partial.done for i in shard]
-    reuse = Reuse(spec, out, todo)
-    if reuse.source_of:
-        n = len(set(reuse.source_of.values()))
-        print(
-            f"hidden {spec.name}: {len(reuse.source_of)} of {len(todo)} samples reused from "
-            f"{n} other key{'s' if n > 1 else ''}",
-            file=sys.stderr,
-        )
-    backend, model_s = None, 0.0
-
-    def load():  # the model: once per run, only if some sample is not reused
-        nonlocal model_s
-        t = time.monotonic()
-        engine = hidden_states(v.compute["backend"], setup.engine, target, ids, setup.threads)
-        model_s += time.monotonic() - t
-        return engine
-
-    beacon = partial.path / BEACON
-    progress = Progress(f"hidden {spec.name}", len(samples), setup.quiet, "seq", beacon)
-    t_run, forward_s, counts = time.monotonic(), 0.0, Counter()
-    try:
-        for index, shard in enumerate(plan):
-            part = [samples[i] for i in shard]
-            if index not in partial.done:
-                states = reuse.take(part)
-                missing = [s for s in part if s["id"] not in states]
-                if missing:
-                    if backend is None:
-                        backend = load()
-                    t = time.monotonic()
-                    computed = run_samples(backend, missing, setup.engine["batch_tokens"])
-                    forward_s += time.monotonic() - t
-                    states.update((s["id"], s) for s in computed)
-                counts["reused"] += len(part) - len(missing)
-                counts["computed"] += len(missing)
-                partial.write_shard(index, [states[s["id"]] for s in part], storage)
-            else:
-                counts["resumed"] += len(part)
-            progress.update(len(part), tokens=sum(len(s["input_ids"]) for s in part))
-        if backend is None and reuse.compute_dtype is None:  # every shard resumed
-            backend = load()
-        if backend is not None:
-            compute_dtype = str(backend.dtype).removeprefix("torch.")
-        else:  # every state reused: the sources' backend ran with these very settings
-            compute_dtype = str(reuse.compute_dtype)
-    finally:
-        if backend is not None:
-            backend.close()
-    progress.close()
-    run_s = time.monotonic() - t_run - model_s
-    load_s += model_s  # tokenizer and model: once per run
-    partial.verify()  # its folder vanished mid-run: fail before the sidecar, publish nothing
-    shards = [partial.done[i] for i in range(len(plan))]
-    for entry in shards:
-        entry.pop("index")
-    stats.update(_disk_stats(shards, stats["tokens"], n_aux, hidden, storage))
-    manifest = _manifest(spec, target, storage, compute_dtype, shards, stats)
-    manifest["samples"] = [
-        _sample_meta(samples[i], shards[n]["name"]) for n, shard in enumerate(plan) for i in shard
-    ]
-    timing = {
-        "load_s": round(load_s, 3),
-        "run_s": round(run_s, 3),
-        "forward_s": round(forward_s, 3),
-        "elapsed_s": round(time.monotonic() - t0, 3),
-        "tokens_per_s": round(stats["tokens"] / max(run_s, 1e-9), 1),
-    }
-    # how this run got the states: beside the directory, never in it (its bytes are the same)
-    origin = {k: counts[k] for k in ("reused", "computed", "resumed")}
-    origin["reused_from"] = sorted(reuse.used)
-    side = {**stats, **timing, **origin}
-    write_json(sidecar_of(out), {"provenance": spec.provenance(), "stats": side})
-    return partial.finish(manifest)
-
-
 def _manifest(
     spec: Spec, target: Target, storage: Storage, compute_dtype: str, shards: list, stats: dict
 ) -> dict:
@@ -530,16 +346,4 @@ def _sample_meta(sample: dict, shard: str | None) -> dict:
         "loss_tokens": sum(sample["loss_mask"]),
         "prompt_tokens": sample["prompt_tokens"],
         **({"turns": sample["turns"]} if sample.get("turns", 1) > 1 else {}),
-    }
-
-
-def _disk_stats(shards: list[dict], tokens: int, n_aux: int, hidden: int, storage: Storage):
-    size = sum(s["bytes"] for s in shards)
-    state = (n_aux + 1) * hidden * storage.itemsize
-    return {
-        "shards": len(shards),
-        "bytes": size,
-        "bytes_per_token": round(size / tokens, 2),
-        "state_bytes_per_token": state,  # (K+1)·H·itemsize, before compression
-        "compression_ratio": round(size / tokens / state, 4),
     }

@@ -11,10 +11,11 @@ import torch
 from eaglet.engines.lookup import hidden_states
 from eaglet.errors import EagletError
 from eaglet.formats.hidden_store import HiddenReader, decode, encode
+from eaglet.formats.records import conversation_of
 from eaglet.graph.keys import resolve_stage
 from eaglet.params import Params
-from eaglet.stages.hidden import Target, responses, run_samples, sequences
-from eaglet.stages.turns import conversation_of
+from eaglet.stages.hidden.kernel import Target, run_samples, sequences
+from eaglet.stages.hidden.run import responses
 
 # Largest per-token relative error (L2 over a row) that --verify accepts: the storage's own
 # rounding, or the noise of recomputing a sequence alone instead of in a batch, whichever is

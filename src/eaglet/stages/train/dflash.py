@@ -16,7 +16,7 @@ from eaglet.errors import EagletError
 from eaglet.formats.dflash import save_dflash
 from eaglet.model.dflash.config import DFlashConfig
 from eaglet.model.dflash.train import Hyper, fit, init
-from eaglet.stages import drafter_data
+from eaglet.stages.hidden import read as hidden_read
 
 
 def samples(readers: list, refs: list, layers: list[int], max_length: int) -> list[dict]:
@@ -66,11 +66,11 @@ def hyper(train: dict, section: dict, n: int) -> Hyper:
 def run(spec, setup, out: Path, embed, lm_head, d2t) -> dict:
     """Train the DFlash drafter `spec` describes into `out`; the sidecar's stats."""
     where = f"{setup.source}: drafters.{spec.name}.dflash"
-    readers = drafter_data.open_readers(setup.states)
+    readers = hidden_read.open_readers(setup.states)
     try:
         return train(readers, spec.values, where, out, embed, lm_head, d2t)
     finally:
-        drafter_data.close_readers(readers)
+        hidden_read.close_readers(readers)
 
 
 def train(readers: list, v, where: str, out: Path, embed, lm_head, d2t) -> dict:
@@ -81,7 +81,7 @@ def train(readers: list, v, where: str, out: Path, embed, lm_head, d2t) -> dict:
     manifest = readers[0].manifest
     stored = list(manifest["aux_layer_ids"]["sglang"])
     layers = [stored.index(i) for i in section["target_layer_ids"]]
-    train_refs, _ = drafter_data.split(readers, v.heldout_fraction)
+    train_refs, _ = hidden_read.split(readers, v.heldout_fraction)
     data = samples(readers, train_refs, layers, v.train["max_length"])
     check_mask_token(data, section["mask_token_id"], where)
     vocab = manifest["target"]["vocab_size"]

@@ -15,11 +15,10 @@ from typing import Any
 
 from eaglet.errors import EagletError
 from eaglet.formats.chat import prompt_ids
-from eaglet.formats.datasets import HUMANEVAL, humaneval_path
+from eaglet.formats.datasets import HUMANEVAL, collect, humaneval_path
 from eaglet.formats.readers import iter_rows
 from eaglet.formats.records import prompt_record
 from eaglet.params import Params
-from eaglet.stages.prompts import collect
 
 OWN_SPLIT = "heldout"  # the suite of a drafter that names none
 

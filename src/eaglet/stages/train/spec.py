@@ -11,7 +11,8 @@ from eaglet.errors import EagletError
 from eaglet.formats.hashing import file_digest
 from eaglet.graph.keys import Keys
 from eaglet.model import arch
-from eaglet.stages import dflash_spec, hidden_spec
+from eaglet.stages.hidden import spec as hidden_spec
+from eaglet.stages.train import dflash_spec
 
 NOT_IN_KEY = ("checkpoint_every", "device", "min_supervised_share")  # no output byte
 WARM_FILES = ("config.json", "model.safetensors")  # what a warm start reads of its folder
@@ -73,7 +74,7 @@ def spec_of(keys: Keys, drafter: str) -> tuple[TrainSpec, dict]:
     return spec, upstream
 
 
-# What the DFlash trainer (eaglet.stages.train_dflash) does not do yet: refused by name rather
+# What the DFlash trainer (eaglet.stages.train.dflash) does not do yet: refused by name rather
 # than silently trained without.
 DFLASH_UNSUPPORTED = {
     "mixture": ("datasets", "weighted datasets"),
@@ -96,7 +97,7 @@ def refuse_unsupported(train: dict, where: str) -> None:
 
 
 def warm_digest(folder: Path, where: str) -> dict:
-    """SHA-256 of each file a warm start reads from `folder` (eaglet.stages.warm_start)."""
+    """SHA-256 of each file a warm start reads from `folder` (eaglet.stages.train.warm_start)."""
     if not folder.is_dir():
         raise EagletError(f"{where}: {folder}: no such drafter folder")
     out = {}

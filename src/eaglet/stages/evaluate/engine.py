@@ -17,17 +17,19 @@ import dataclasses
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import httpx
 
-from eaglet.engines.vllm import Engine, ServeConfig, dflash, eagle3, spec_counters
+from eaglet.engines.vllm import Engine, ServeConfig
 from eaglet.errors import EagletError
+from eaglet.formats.speculative import dflash, eagle3, spec_counters
+from eaglet.graph.keys import Spec
 from eaglet.model.speculative import against_greedy
+from eaglet.stages.evaluate.kernel import temperature_key
 
-
-def temperature_key(t: float) -> str:
-    """How a temperature names its results: temperature_0, temperature_0.7."""
-    return f"temperature_{t:g}"
+if TYPE_CHECKING:
+    from eaglet.stages.evaluate.run import Setup
 
 
 def complete(
@@ -163,3 +165,42 @@ def measure_running(
                 )
                 per_suite[name][temperature_key(t)] = {f"num_steps_{num_steps}": m}
     return {"engine": "vllm", "operator": True, "concurrency": conc, "suites": per_suite}
+
+
+def engine_export(spec: Spec, setup: Setup) -> Path:
+    """The drafter's current vLLM export, which `engine: vllm` serves."""
+    if not setup.export.is_dir():
+        raise EagletError(
+            f"drafters.{spec.name}.evaluate.engine: vllm needs the vLLM export {setup.export} "
+            f"(run: eaglet export {spec.name} --to vllm)"
+        )
+    return setup.export
+
+
+def engine_metrics(
+    spec: Spec,
+    setup: Setup,
+    prompts: dict[str, list[list[int]]],
+    stop: set[int],
+    cfg: dict,
+    method: str = "eagle3",
+) -> dict:
+    """Every suite run by vLLM serving the target with the drafter's vLLM export (started here),
+    or by an operator's engine already serving it (`engine_url`). `cfg`: `settings`'s."""
+    target = setup.target
+    if setup.engine_url:  # an operator's engine, already serving this drafter
+        return measure_running(setup.engine_url, target.name, prompts, cfg, sorted(stop))
+    longest = max(len(p) for ps in prompts.values() for p in ps) + cfg["max_new_tokens"]
+    serve = ServeConfig.of(
+        target,
+        served_name=target.name,
+        dtype=cfg["dtype"],
+        max_model_len=max(setup.target_max_length, longest),
+        max_num_seqs=cfg["engine_concurrency"],
+        enforce_eager=cfg["engine_eager"],
+        tensor_parallel_size=cfg["engine_tensor_parallel_size"],
+        threads=setup.threads or 0,
+        extra_args=tuple(cfg["engine_extra_args"]),
+    )
+    export = engine_export(spec, setup)
+    return measure(serve, export, prompts, cfg, sorted(stop), method=method)

@@ -47,7 +47,7 @@ from eaglet.formats.hidden_store import (
     sha256_file,
 )
 from eaglet.formats.io import dumps
-from eaglet.stages.hidden_spec import Setup
+from eaglet.stages.hidden.spec import Setup
 
 Ref = tuple[int, str]
 

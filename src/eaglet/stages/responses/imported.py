@@ -42,7 +42,7 @@ from eaglet.formats.records import response_record
 from eaglet.formats.store import Origin, Store
 from eaglet.graph.keys import resolve_stage
 from eaglet.params import Params
-from eaglet.stages.generate import Streams
+from eaglet.stages.responses.kernel import Streams
 
 ANSWER_KEYS = ("response", "text", "content", "output")
 

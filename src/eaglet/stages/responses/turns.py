@@ -18,7 +18,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-SEP = "/"
+from eaglet.formats.records import SEP
 
 
 @dataclass(frozen=True)
@@ -36,11 +36,6 @@ class Turn:
     @property
     def id(self) -> str:
         return self.prompt["id"] if self.n == 1 else f"{self.prompt['id']}{SEP}{self.k}"
-
-
-def conversation_of(record_id: str) -> str:
-    """The conversation a record or sample id belongs to (`<id>/<k>` -> `<id>`)."""
-    return record_id.split(SEP, 1)[0]
 
 
 def cuts(messages: list[dict], turns: str) -> list[int]:
