@@ -22,10 +22,15 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def _bump(module: str) -> tuple[str, str, str, str]:
     """(what, file, the declaration, the declaration one version higher)."""
-    text = (ROOT / "src" / "eaglet" / "stages" / f"{module}.py").read_text()
+    text = (ROOT / "src" / "eaglet" / "stages" / module / "__init__.py").read_text()
     m = re.search(r"CODE = Code\(\n    version=(\d+),", text)
     higher = m[0].replace(f"version={m[1]}", f"version={int(m[1]) + 1}")
-    return f"`{module}` version {m[1]} -> {int(m[1]) + 1}", f"stages/{module}.py", m[0], higher
+    return (
+        f"`{module}` version {m[1]} -> {int(m[1]) + 1}",
+        f"stages/{module}/__init__.py",
+        m[0],
+        higher,
+    )
 
 
 # (what, file, old text or "" to append, new text)
@@ -45,15 +50,20 @@ EDITS = [
         "startup_timeout_s: float = 1800.0",
     ),
     ("progress text (the ETA label)", "progress.py", 'f"ETA {', 'f"eta {'),
-    ("an error message inside a kernel", "stages/hidden.py", "appears twice", "is there twice"),
+    (
+        "an error message inside a kernel",
+        "stages/hidden/kernel.py",
+        "appears twice",
+        "is there twice",
+    ),
     (
         "the drafter's loss, no bump",
-        "stages/train.py",
+        "model/ttt.py",
         "return -(p * F.log_softmax(logits, dim=-1)).sum()",
         "return -((0.9 * p + 0.1 / p.shape[-1]) * F.log_softmax(logits, dim=-1)).sum()",
     ),
     _bump("prompts"),
-    _bump("generate"),
+    _bump("responses"),
     _bump("hidden"),
     _bump("vocab"),
     _bump("train"),
