@@ -29,7 +29,7 @@ from eaglet.model.speculative import against_greedy
 from eaglet.stages.evaluate.kernel import temperature_key
 
 if TYPE_CHECKING:
-    from eaglet.stages.evaluate.run import Setup
+    from eaglet.stages.evaluate.spec import Setup
 
 
 def complete(

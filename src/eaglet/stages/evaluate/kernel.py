@@ -17,7 +17,7 @@ from eaglet.model.target_head import TargetHead
 from eaglet.progress import Progress
 
 if TYPE_CHECKING:
-    from eaglet.stages.evaluate.run import Setup
+    from eaglet.stages.evaluate.spec import Setup
 
 
 def prompt_of(sample: dict) -> list[int] | None:

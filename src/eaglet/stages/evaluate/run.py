@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import csv
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -20,7 +19,6 @@ from eaglet.graph.keys import Keys, Spec, sidecar_of
 from eaglet.model import speculative
 from eaglet.model.drafter import Drafter
 from eaglet.model.target import (
-    TargetSpec,
     load_head,
     load_model,
     load_tokenizer,
@@ -40,7 +38,7 @@ from eaglet.stages.evaluate.kernel import (
     summary,
     temperature_key,
 )
-from eaglet.stages.evaluate.spec import EvaluateSpec
+from eaglet.stages.evaluate.spec import EvaluateSpec, Setup
 from eaglet.stages.hidden import read as hidden_read
 
 
@@ -162,22 +160,6 @@ def measure_suites(
             if "temperature_0" in e and own and ref:
                 out[name]["agreement"] = agreement(own["temperature_0"], e["temperature_0"])
     return out, ({k: v for k, v in engine.items() if k != "suites"} if engine else None)
-
-
-@dataclass(frozen=True)
-class Setup:
-    """Beside the spec: where things are and how the run is placed; changes no output byte."""
-
-    states: hidden_read.States
-    trained: Path
-    export: Path  # the vLLM export an eaglet-started engine serves
-    target: TargetSpec  # where its files are (its identity is in the spec)
-    suites: tuple[suites.Suite, ...]
-    device: str  # as configured, e.g. cuda:1 (the spec holds its type)
-    target_max_length: int  # the engine's context floor
-    engine_url: str | None = None  # an operator's engine serving the drafter
-    threads: int | None = None
-    quiet: bool = False
 
 
 def setup(

@@ -4,12 +4,19 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
 
 from eaglet.device import device_type
 from eaglet.errors import AwaitedFile, EagletError
 from eaglet.formats.hashing import file_digest
 from eaglet.graph.footprint import in_process, in_process_bytes
 from eaglet.graph.keys import Keys, file_key
+
+if TYPE_CHECKING:
+    from eaglet.model.target import TargetSpec
+    from eaglet.stages.evaluate.suites import Suite
+    from eaglet.stages.hidden.read import States
 
 
 @dataclass(frozen=True)
@@ -66,3 +73,19 @@ def _suite_digest(keys: Keys, suite: dict, where: str) -> str:
             )
         return file_key(keys.params, suite["path"], where)
     return file_digest(humaneval_path())
+
+
+@dataclass(frozen=True)
+class Setup:
+    """Beside the spec: where things are and how the run is placed; changes no output byte."""
+
+    states: States
+    trained: Path
+    export: Path  # the vLLM export an eaglet-started engine serves
+    target: TargetSpec  # where its files are (its identity is in the spec)
+    suites: tuple[Suite, ...]
+    device: str  # as configured, e.g. cuda:1 (the spec holds its type)
+    target_max_length: int  # the engine's context floor
+    engine_url: str | None = None  # an operator's engine serving the drafter
+    threads: int | None = None
+    quiet: bool = False

@@ -20,7 +20,7 @@ from eaglet.stages.responses import report
 from eaglet.stages.responses.turns import Turn
 
 if TYPE_CHECKING:
-    from eaglet.stages.responses.run import Job
+    from eaglet.stages.responses.job import Job
 
 
 # ---------------------------------------------------------------------------- output

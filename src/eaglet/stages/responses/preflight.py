@@ -21,7 +21,8 @@ from eaglet.errors import EagletError
 from eaglet.formats.store import Store
 from eaglet.graph.keys import resolve_stage
 from eaglet.params import Params
-from eaglet.stages.responses.run import Job, scan, spend_lines, spend_report
+from eaglet.stages.responses.job import Job
+from eaglet.stages.responses.run import scan, spend_lines, spend_report
 
 
 def preflight(params: Params, dataset: str) -> dict:

@@ -1,12 +1,16 @@
-"""TODO."""
+"""The training run's state (Trainer) and its checkpoint: what a rerun needs to continue at a
+step, written atomically by rank 0, and read back (model, optimizer, schedule, data position,
+RNG states)."""
 
 from __future__ import annotations
 
 import random
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
+from torch import Tensor
 
 from eaglet.errors import EagletError
 from eaglet.formats.atomic import atomic_path
@@ -14,8 +18,28 @@ from eaglet.formats.io import write_json
 from eaglet.model import ttt
 
 if TYPE_CHECKING:
+    from eaglet.model.drafter import Drafter
+    from eaglet.model.target_head import TargetHead
     from eaglet.stages.train.data import Steps
-    from eaglet.stages.train.kernel import Trainer
+
+
+@dataclass
+class Trainer:
+    """The drafter, its frozen target head, the optimizer and schedule, and the logs so far."""
+
+    model: Drafter
+    ddp: torch.nn.Module  # the model, or its DDP wrapper
+    head: TargetHead
+    opt: torch.optim.Optimizer
+    sched: torch.optim.lr_scheduler.LambdaLR
+    warm: dict | None = None  # what a warm start copied
+    best: dict | None = None  # train.select: the best epoch end so far, and its weights
+    rows: list[dict] = field(default_factory=list)
+    held_rows: list[dict] = field(default_factory=list)
+
+    @property
+    def trainable(self) -> list[Tensor]:
+        return [p for p in self.model.parameters() if p.requires_grad]
 
 
 def resume(ckpt: Path, t: Trainer, hp: dict, run: ttt.Run) -> int:

@@ -1,4 +1,7 @@
-"""TODO."""
+"""Which samples each optimizer step trains on: the training split cut or skipped at
+max_length (overlong), the run's phases and mixture weights, and Steps, the order of every
+epoch as a function of the seed, the epoch and the process count (so a resumed or DDP run sees
+the same batches)."""
 
 from __future__ import annotations
 

@@ -7,7 +7,6 @@ import math
 import shutil
 import time
 from contextlib import nullcontext
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -22,7 +21,7 @@ from eaglet.model.target_head import TargetHead
 from eaglet.progress import BEACON, Progress
 from eaglet.stages.hidden import read as hidden_read
 from eaglet.stages.train import warm_start
-from eaglet.stages.train.checkpoint import resume, save_checkpoint
+from eaglet.stages.train.checkpoint import Trainer, resume, save_checkpoint
 from eaglet.stages.train.data import plan_steps
 
 
@@ -72,25 +71,6 @@ def select(t: Trainer, readers, held: list, hp: dict, run: ttt.Run, step: int, e
             if k != "embed_tokens.weight"
         }
         t.best = {"step": step + 1, "epoch": epoch, "value": value, "state": state}
-
-
-@dataclass
-class Trainer:
-    """The drafter, its frozen target head, the optimizer and schedule, and the logs so far."""
-
-    model: Drafter
-    ddp: torch.nn.Module  # the model, or its DDP wrapper
-    head: TargetHead
-    opt: torch.optim.Optimizer
-    sched: torch.optim.lr_scheduler.LambdaLR
-    warm: dict | None = None  # what a warm start copied
-    best: dict | None = None  # train.select: the best epoch end so far, and its weights
-    rows: list[dict] = field(default_factory=list)
-    held_rows: list[dict] = field(default_factory=list)
-
-    @property
-    def trainable(self) -> list[Tensor]:
-        return [p for p in self.model.parameters() if p.requires_grad]
 
 
 def make_trainer(
