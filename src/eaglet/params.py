@@ -17,7 +17,6 @@ import yaml
 
 from eaglet.device import device_type, resolve_dtype
 from eaglet.errors import EagletError
-from eaglet.stages.train import mixture
 
 SCHEMA_PATH = Path(__file__).with_name("params.schema.yaml")
 GENERATION_KEYS = (
@@ -268,7 +267,7 @@ def _check_references(data: dict, path: Path) -> None:
             if ds not in data["datasets"]:
                 at = ds if weighted else i
                 raise EagletError(f"{path}: drafters.{name}.datasets.{at}: unknown dataset '{ds}'")
-        mixture.check(drafter["datasets"], f"{path}: drafters.{name}.datasets")
+        check_weights(drafter["datasets"], f"{path}: drafters.{name}.datasets")
         for k, phase in enumerate(drafter["train"].get("phases", [])):
             where = f"{path}: drafters.{name}.train.phases.{k}.datasets"
             for ds in phase.get("datasets", []):
@@ -277,7 +276,7 @@ def _check_references(data: dict, path: Path) -> None:
                         f"{where}.{ds}: the drafter does not read dataset '{ds}' "
                         f"(drafters.{name}.datasets: {', '.join(drafter['datasets'])})"
                     )
-            mixture.check(phase.get("datasets", []), where)
+            check_weights(phase.get("datasets", []), where)
         ev = drafter["evaluate"]
         if "engine_url" in ev and (ev["engine"] != "vllm" or len(ev["num_steps"]) != 1):
             raise EagletError(
@@ -379,3 +378,19 @@ def _fill_defaults(node: dict, value: Any, root: dict) -> None:
         for key, item in value.items():
             if key not in props:
                 _fill_defaults(extra, item, root)
+
+
+def check_weights(datasets: list | dict, where: str) -> None:
+    """One-line errors for a drafter's dataset weights that no mixture can follow (`where`
+    names the field; eaglet.stages.train.mixture follows them)."""
+    if not isinstance(datasets, dict):
+        return
+    for name, w in datasets.items():
+        if isinstance(w, bool) or not isinstance(w, int | float) or w < 0 or w != w:
+            raise EagletError(f"{where}.{name}: weight {w!r}: a weight is a number of 0 or more")
+        if w == float("inf"):
+            raise EagletError(f"{where}.{name}: weight {w!r}: a weight is finite")
+    if not any(datasets.values()):
+        raise EagletError(
+            f"{where}: every weight is 0: at least one dataset needs a weight above 0"
+        )

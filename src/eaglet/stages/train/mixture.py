@@ -20,29 +20,12 @@ from __future__ import annotations
 import random
 from fractions import Fraction
 
-from eaglet.errors import EagletError
-
 Ref = tuple[int, str]  # (reader index, sample id), as eaglet.stages.hidden.read
 
 
 def weights_of(datasets: list | dict) -> dict | None:
     """{dataset: weight} of a drafter's `datasets` in the weighted form, None in the list form."""
     return dict(datasets) if isinstance(datasets, dict) else None
-
-
-def check(datasets: list | dict, where: str) -> None:
-    """One-line errors for weights no mixture can follow (`where` names the field)."""
-    if not isinstance(datasets, dict):
-        return
-    for name, w in datasets.items():
-        if isinstance(w, bool) or not isinstance(w, int | float) or w < 0 or w != w:
-            raise EagletError(f"{where}.{name}: weight {w!r}: a weight is a number of 0 or more")
-        if w == float("inf"):
-            raise EagletError(f"{where}.{name}: weight {w!r}: a weight is finite")
-    if not any(datasets.values()):
-        raise EagletError(
-            f"{where}: every weight is 0: at least one dataset needs a weight above 0"
-        )
 
 
 def exact(w: int | float) -> Fraction:
