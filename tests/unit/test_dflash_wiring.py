@@ -12,6 +12,7 @@ import torch
 from eaglet.errors import EagletError
 from eaglet.formats.dflash import is_dflash, load_dflash, save_dflash
 from eaglet.graph.keys import Keys
+from eaglet.model.arch import FIELDS
 from eaglet.model.dflash.config import DFlashConfig
 from eaglet.model.dflash.train import Hyper, fit, init
 from eaglet.params import load
@@ -151,7 +152,7 @@ def test_the_stage_trains_on_the_stored_layers_it_names(tmp_path):
     train = {"epochs": 6, "batch_size": 2, "lr": 3e-3, "warmup_ratio": 0.1, "seed": 0}
     train |= {"max_grad_norm": 1.0, "max_length": 64, "dflash": section}
     text = TINY | {"rms_norm_eps": 1e-6}  # the tiny target (LlamaConfig's default eps)
-    arch = {k: text[k] for k in train_dflash.LAYER_FIELDS if k != "rope_scaling"}
+    arch = {k: text[k] for k in FIELDS if k != "rope_scaling"}
     values = SimpleNamespace(train=train, heldout_fraction=0.25, arch=arch | {"rope_scaling": None})
     d2t = torch.arange(512) * 2 - torch.arange(512)  # target ids 0, 2, 4, ...
     out = tmp_path / "trained"

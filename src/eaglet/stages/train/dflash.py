@@ -14,6 +14,7 @@ import torch
 
 from eaglet.errors import EagletError
 from eaglet.formats.dflash import save_dflash
+from eaglet.model import arch
 from eaglet.model.dflash.config import DFlashConfig
 from eaglet.model.dflash.train import Hyper, fit, init
 from eaglet.stages.hidden import read as hidden_read
@@ -95,23 +96,10 @@ def train(readers: list, v, where: str, out: Path, embed, lm_head, d2t) -> dict:
         mask_token_id=section["mask_token_id"],
         block_size=section["block_size"],
         num_layers=section["num_layers"],
-        **{k: v.arch[k] for k in LAYER_FIELDS},
+        **{k: v.arch[k] for k in arch.FIELDS},
     )
     model = init(cfg, embed.float(), lm_head.float(), None if full else d2t)
     rows = fit(model, data, hyper(v.train, section, len(data)))
     save_dflash(model, out, rows)
     final = rows[-1]["loss"] if rows else None
     return {"samples": len(data), "steps": len(rows), "final_loss": final}
-
-
-LAYER_FIELDS = (
-    "hidden_size",
-    "intermediate_size",
-    "num_attention_heads",
-    "num_key_value_heads",
-    "head_dim",
-    "rms_norm_eps",
-    "rope_theta",
-    "max_position_embeddings",
-    "rope_scaling",
-)
