@@ -16,6 +16,7 @@ from eaglet.engines import vllm
 from eaglet.formats import exports, speculative
 from eaglet.formats.drafter import load_drafter
 from eaglet.formats.io import read_json, read_jsonl, write_jsonl_zst
+from eaglet.formats.metrics import summary_of
 from eaglet.formats.records import response_record
 from eaglet.graph.keys import Keys, build, sidecar_of
 from eaglet.model.drafter import DrafterConfig
@@ -214,11 +215,10 @@ def serve_all(
 def engine_acceptance(keys: Keys, name: str) -> str:
     """vLLM's acceptance length of drafter `name` per suite and temperature (per num_steps),
     from its evaluate sidecar: `natural t=0 1.398; ...`."""
-    ev = read_json(keys.sidecar("evaluate", name))["stats"]
+    sidecar = keys.sidecar("evaluate", name)
+    ev = summary_of(read_json(sidecar)["stats"], str(sidecar))
     acc = []
-    for suite, s in ev["suites"].items():
-        for k, v in s.items():
-            if k.startswith("vllm_temperature_"):
-                t = k.removeprefix("vllm_temperature_")
-                acc.append(f"{suite} t={t} " + "/".join(f"{x:.3f}" for x in v.values()))
+    for suite, s in ev.suites.items():
+        for t, v in s.vllm.items():
+            acc.append(f"{suite} t={t:g} " + "/".join(f"{x:.3f}" for x in v.values()))
     return "; ".join(acc)

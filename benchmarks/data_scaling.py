@@ -33,7 +33,7 @@ import yaml
 from benchmarks.common import fit_args, pressure
 from eaglet.formats.drafter import load_drafter
 from eaglet.formats.hidden_store import HiddenReader
-from eaglet.formats.io import read_json
+from eaglet.formats.metrics import offline_json, read_metrics
 from eaglet.graph.keys import Keys, build
 from eaglet.params import load
 from eaglet.stages.evaluate import kernel as evaluate_kernel
@@ -111,7 +111,7 @@ def main() -> None:
 
     def accept(model) -> dict:
         m = evaluate_kernel.offline(model, [held], refs, base["tensors"]["lm_head"], [args.steps])
-        return m[f"num_steps_{args.steps}"]
+        return offline_json(m[args.steps])
 
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
@@ -122,9 +122,9 @@ def main() -> None:
             rows.append({"run": "the demo's drafter", **accept(load_drafter(trained))})
             evaluated = keys.path("evaluate", args.drafter) / "metrics.json"
             if evaluated.exists():
-                suite = next(iter(read_json(evaluated)["suites"].values()))
-                greedy = (suite.get("vllm") or {}).get("temperature_0", {})
-                al = greedy.get(f"num_steps_{args.steps}", {}).get("acceptance_length")
+                suite = next(iter(read_metrics(evaluated).suites.values()))
+                greedy = (suite.vllm or {}).get(0, {}).get(args.steps)
+                al = greedy.acceptance_length if greedy else None
                 rows[-1]["engine_acceptance_length"] = al
         for run in args.runs.split(","):
             fraction, _, epochs = run.partition(":")

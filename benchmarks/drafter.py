@@ -26,6 +26,7 @@ import torch
 from benchmarks.common import pressure
 from eaglet.formats.chat import stop_ids
 from eaglet.formats.drafter import load_drafter
+from eaglet.formats.metrics import offline_json, run_json, steps_key
 from eaglet.graph.keys import Keys
 from eaglet.model import speculative
 from eaglet.model.drafter import DrafterConfig
@@ -106,16 +107,19 @@ def main() -> None:
     decode = {"num_steps": [3, 7], "max_new_tokens": d["evaluate"]["max_new_tokens"]}
     real = evaluate_kernel.decode_all(target, model, prompts, decode, stop, quiet=True)
     est = evaluate_kernel.offline(model, readers, held, target_model.lm_head.weight, [3, 7])
-    for k in ("num_steps_3", "num_steps_7"):
-        m = real[k]
-        offline = est[k]["acceptance_length"]
+    for n in (3, 7):
+        m, offline = real[n], est[n].acceptance_length
         print(
-            f"{k}: acceptance length {m['acceptance_length']:.3f} over {len(prompts)} prompts "
-            f"(offline estimate {offline:.3f}), greedy equal {m['greedy_equal']}, "
-            f"{m['tokens_per_s']:.1f} tok/s vs {m['greedy_tokens_per_s']:.1f} greedy "
-            f"({m['speedup']:.2f}x)"
+            f"{steps_key(n)}: acceptance length {m.acceptance_length:.3f} over {len(prompts)} "
+            f"prompts (offline estimate {offline:.3f}), greedy equal {m.greedy.greedy_equal}, "
+            f"{m.tokens_per_s:.1f} tok/s vs {m.greedy.greedy_tokens_per_s:.1f} greedy "
+            f"({m.greedy.speedup:.2f}x)"
         )
-    print(json.dumps({"throughput": rates, "speculative": real, "offline": est}))
+    speculative_json = {steps_key(n): run_json(r) for n, r in real.items()}
+    offline_est = {steps_key(n): offline_json(o) for n, o in est.items()}
+    print(
+        json.dumps({"throughput": rates, "speculative": speculative_json, "offline": offline_est})
+    )
     print(f"# cpu pressure after: {pressure()}")
 
 

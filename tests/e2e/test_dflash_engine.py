@@ -151,15 +151,15 @@ def test_evaluate_measures_a_trained_dflash_export_on_stock_vllm(tmp_path):
     )
     cfg, method = evaluate_kernel.settings(spec, setup)
     assert (method, cfg["num_steps"]) == ("dflash", [BLOCK - 1])
-    engine = evaluate_engine.engine_metrics(spec, setup, {"q": prompts}, {EOS}, cfg, method)
-    suite = engine["suites"]["q"]
-    m = suite["temperature_0"][f"num_steps_{BLOCK - 1}"]
+    _, engine = evaluate_engine.engine_metrics(spec, setup, {"q": prompts}, {EOS}, cfg, method)
+    suite = engine["q"]
+    m = suite.runs[0][BLOCK - 1]
     print(f"eaglet chain {own:.3f} {per_position} over {len(rounds)} rounds; vLLM {m}")
-    outputs = [o[: o.index(EOS)] if EOS in o else o for o in suite["greedy_outputs"]]
+    outputs = [o[: o.index(EOS)] if EOS in o else o for o in suite.greedy_outputs]
     assert outputs == [s["input_ids"][s["prompt"] :].tolist() for s in samples]
-    assert m["greedy_equal"] and m["greedy_mismatches"] == 0
+    assert m.greedy.greedy_equal and m.greedy.greedy_mismatches == 0
     # each round's block depends only on the context and the anchor, the same in both; a
     # round cut by max_tokens may end apart (vLLM verifies drafts past the cut)
-    assert own > 1.5 and abs(m["drafts"] - len(rounds)) <= 1
-    assert m["acceptance_length"] == pytest.approx(own, abs=0.05)
-    assert m["accepted_per_position"] == pytest.approx(per_position, abs=0.05)
+    assert own > 1.5 and abs(m.counters.drafts - len(rounds)) <= 1
+    assert m.acceptance_length == pytest.approx(own, abs=0.05)
+    assert m.counters.accepted_per_position == pytest.approx(per_position, abs=0.05)

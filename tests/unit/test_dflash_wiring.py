@@ -11,6 +11,7 @@ import torch
 
 from eaglet.errors import EagletError
 from eaglet.formats.dflash import is_dflash, load_dflash, save_dflash
+from eaglet.formats.metrics import EngineInfo, Greedy, Metrics, Run, Suite, summary_json
 from eaglet.graph.keys import Keys
 from eaglet.model.arch import FIELDS
 from eaglet.model.dflash.config import DFlashConfig
@@ -187,16 +188,19 @@ def test_evaluate_sets_a_dflash_drafter_to_block_size_minus_one(tmp_path):
     eagle = evaluate_kernel.settings(spec, SimpleNamespace(trained=tmp_path / "eagle3"))
     assert eagle[0] is settings and eagle[1] == "eagle3"
 
-    run = {"acceptance_length": 1.8, "acceptance_rate": [0.5, 0.4, 0.2], "greedy_equal": True}
-    metrics = {
-        "drafter": "d",
-        "prompts": 2,
-        "suites": {
-            "q": {"prompts": 2, "eaglet": {}, "vllm": {"temperature_0": {"num_steps_3": run}}}
-        },
-        "offline": {},
-        "engine": {"engine": "vllm"},
-    }
+    run = Run(1.8, (0.5, 0.4, 0.2), 18, 9.0, Greedy(True, 0, None, None))
+    metrics = Metrics(
+        drafter="d",
+        prompts=2,
+        temperatures=(0.0,),
+        greedy_reference=None,
+        in_process=False,
+        suites={"q": Suite(prompts=2, source="q.jsonl", eaglet={}, vllm={0.0: {3: run}})},
+        offline={},
+        engine=EngineInfo("vllm", 1),
+        notes={},
+        elapsed_s=1.0,
+    )
     stats = evaluate_kernel.summary(metrics, got["num_steps"])
-    assert stats["acceptance_length"] == 1.8 and stats["acceptance_length_by"] == "vllm"
-    assert stats["suites"]["q"]["vllm_temperature_0"] == {"num_steps_3": 1.8}
+    assert stats.acceptance_length == 1.8 and stats.acceptance_length_by == "vllm"
+    assert summary_json(stats)["suites"]["q"]["vllm_temperature_0"] == {"num_steps_3": 1.8}

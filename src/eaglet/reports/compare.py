@@ -21,6 +21,7 @@ from pathlib import Path
 
 from eaglet.errors import EagletError
 from eaglet.formats.io import read_json
+from eaglet.formats.metrics import summary_of
 
 WORKSPACE = "workspace"
 # (stage, stat, label) rows shown under the keys of each dataset or drafter.
@@ -143,11 +144,15 @@ def _changed(a: dict | None, b: dict | None) -> list[str]:
     return changes
 
 
+def _sidecar(root: Path, row: dict | None) -> Path | None:
+    if row is None or not (root / row["sidecar"]).exists():
+        return None
+    return root / row["sidecar"]
+
+
 def _stats(root: Path, row: dict | None) -> dict:
-    if row is None:
-        return {}
-    sidecar = root / row["sidecar"]
-    return read_json(sidecar).get("stats", {}) if sidecar.exists() else {}
+    sidecar = _sidecar(root, row)
+    return read_json(sidecar).get("stats", {}) if sidecar else {}
 
 
 def compare(repo: Path, rev_a: str, rev_b: str, params_rel: str = "params.yaml") -> list[dict]:
@@ -187,32 +192,43 @@ def compare(repo: Path, rev_a: str, rev_b: str, params_rel: str = "params.yaml")
             if va is None and vb is None:
                 continue
             rows.append({"row": label, "a": va, "b": vb, "note": "", "changed": []})
-        ea, eb = (_stats(root, k.get(("evaluate", name))) for k in (ka, kb))
-        rows += _suite_rows(ea.get("suites") or {}, eb.get("suites") or {})
+        ea, eb = (_sidecar(root, k.get(("evaluate", name))) for k in (ka, kb))
+        rows += _suite_rows(_acceptance(ea), _acceptance(eb))
         tables.append({"kind": kind, "name": name, "rows": rows})
     return tables
 
 
-def _suite_label(flat_key: str) -> str:
-    """natural.vllm_temperature_0.7.num_steps_3 -> natural: vLLM t=0.7, 3 steps."""
-    suite, _, rest = flat_key.partition(".")
-    what, _, steps = rest.rpartition(".num_steps_")
-    if not what:
-        return f"{suite}: {rest}"
-    who, _, t = what.partition("_temperature_")
-    return f"{suite}: {'vLLM' if who == 'vllm' else who} t={t}, {steps} steps"
+def _acceptance(sidecar: Path | None) -> dict[str, object]:
+    """{label: value} of an evaluation's sidecar, suite by suite in its order: eaglet's and the
+    engine's acceptance length per temperature and num_steps (`natural: vLLM t=0.7, 3 steps`),
+    and the prompts (`natural: prompts`)."""
+    if sidecar is None:
+        return {}
+    stats = read_json(sidecar).get("stats", {})
+    if "suites" not in stats:  # an evaluation older than suites
+        return {}
+    out: dict[str, object] = {}
+    for suite, s in summary_of(stats, str(sidecar)).suites.items():
+        out |= _lengths(suite, "eaglet", s.eaglet)  # in the sidecar's (sorted) order
+        out[f"{suite}: prompts"] = s.prompts
+        out |= _lengths(suite, "vLLM", s.vllm)
+    return out
+
+
+def _lengths(suite: str, who: str, by_temperature: dict) -> dict[str, object]:
+    return {
+        f"{suite}: {who} t={t:g}, {n} steps": v
+        for t, by_steps in by_temperature.items()
+        for n, v in by_steps.items()
+    }
 
 
 def _suite_rows(a: dict, b: dict) -> list[dict]:
     """Acceptance length per suite, temperature and num_steps of each side, suite by suite."""
-    fa, fb = _flat(a), _flat(b)
-    rows = []
-    for k in dict.fromkeys([*fa, *fb]):
-        if ".greedy_equal." in k:
-            continue
-        rows.append({"row": _suite_label(k), "a": fa.get(k), "b": fb.get(k), "note": ""})
-        rows[-1]["changed"] = []
-    return rows
+    return [
+        {"row": label, "a": a.get(label), "b": b.get(label), "note": "", "changed": []}
+        for label in dict.fromkeys([*a, *b])
+    ]
 
 
 def _stage_order(rows: dict) -> object:

@@ -18,6 +18,14 @@ from pathlib import Path
 from eaglet.errors import EagletError
 from eaglet.formats.atomic import write_text
 from eaglet.formats.io import read_json
+from eaglet.formats.metrics import (
+    Metrics,
+    Run,
+    engine_json,
+    read_metrics,
+    steps_key,
+    temperature_key,
+)
 from eaglet.graph.keys import Keys
 from eaglet.params import Params
 
@@ -54,50 +62,50 @@ def _cell(text: object) -> str:
     return f"<td>{html.escape(str(text))}</td>"
 
 
-def runs(metrics: dict) -> list[tuple[str, str, str, str, dict]]:
-    """(suite, who, temperature, num_steps, run) of every speculative run in metrics.json, and
-    the metrics.json path of each as `suites/<suite>/<vllm|eaglet>/temperature_<t>/<num_steps>`."""
+def runs(metrics: Metrics) -> list[tuple[str, str, float, int, Run]]:
+    """(suite, who, temperature, num_steps, run) of every speculative run in metrics.json, who
+    the engine (vllm) or eaglet."""
     out = []
-    for suite, m in metrics["suites"].items():
-        for who in ("vllm", "eaglet"):
-            for tkey, by_steps in (m.get(who) or {}).items():
-                t = tkey.removeprefix("temperature_")
-                out += [(suite, f"{who}/{tkey}", t, n, r) for n, r in by_steps.items()]
+    for suite, m in metrics.suites.items():
+        for who, by_temperature in (("vllm", m.vllm or {}), ("eaglet", m.eaglet)):
+            for t, by_steps in by_temperature.items():
+                out += [(suite, who, t, n, r) for n, r in by_steps.items()]
     return out
 
 
-def _acceptance(metrics: dict) -> str:
+def _acceptance(metrics: Metrics) -> str:
     rows = []
     for suite, who, t, n, r in runs(metrics):
-        base = f"suites/{suite}/{who}/{n}"
-        rates = ", ".join(f"{x:.2f}" for x in r["acceptance_rate"])
-        same = "mean_acceptance_length" if who.startswith("eaglet") else "acceptance_length"
+        base = f"suites/{suite}/{who}/{temperature_key(t)}/{steps_key(n)}"  # its place in the file
+        rates = ", ".join(f"{x:.2f}" for x in r.acceptance_rate)
+        # 1 + accepted / rounds: the engine's acceptance length, eaglet's mean one
+        same = "mean_acceptance_length" if who == "eaglet" else "acceptance_length"
+        value = r.rounds.mean_acceptance_length if who == "eaglet" else r.acceptance_length
         rows.append(
             [
                 _cell(suite),
-                _cell("vLLM" if who.startswith("vllm") else "eaglet"),
-                _cell(t),
-                _cell(n.removeprefix("num_steps_")),
-                _num(r["acceptance_length"], f"{base}/acceptance_length"),
-                _num(r[same], f"{base}/{same}"),
+                _cell("vLLM" if who == "vllm" else "eaglet"),
+                _cell(f"{t:g}"),
+                _cell(n),
+                _num(r.acceptance_length, f"{base}/acceptance_length"),
+                _num(value, f"{base}/{same}"),
                 _cell(rates),
-                _num(r.get("greedy_equal", "-"), f"{base}/greedy_equal"),
-                _num(r.get("tokens_per_s"), f"{base}/tokens_per_s"),
-                _num(r.get("speedup"), f"{base}/speedup"),
+                _num(r.greedy.greedy_equal if r.greedy else "-", f"{base}/greedy_equal"),
+                _num(r.tokens_per_s, f"{base}/tokens_per_s"),
+                _num(r.greedy.speedup if r.greedy else None, f"{base}/speedup"),
             ]
         )
     header = ["suite", "decoder", "temperature", "steps", "acceptance length"]
     header += ["1 + accepted / rounds", "rate per position", "greedy equal", "tokens/s"]
     header += ["speedup"]
-    offline = [
-        [_cell(n), _num(m["acceptance_length"], f"offline/{n}/acceptance_length"), _cell(
-            ", ".join(f"{x:.2f}" for x in m["acceptance_rate"])
-        ), _cell(m["positions"])]
-        for n, m in metrics["offline"].items()
-    ]  # fmt: skip
+    offline = []
+    for n, m in metrics.offline.items():
+        rates = ", ".join(f"{x:.2f}" for x in m.acceptance_rate)
+        al = _num(m.acceptance_length, f"offline/{steps_key(n)}/acceptance_length")
+        offline.append([_cell(steps_key(n)), al, _cell(rates), _cell(m.positions)])
     prompts = [
-        [_cell(s), _num(m["prompts"], f"suites/{s}/prompts"), _cell(m["source"])]
-        for s, m in metrics["suites"].items()
+        [_cell(s), _num(m.prompts, f"suites/{s}/prompts"), _cell(m.source)]
+        for s, m in metrics.suites.items()
     ]
     return (
         "<h2>Acceptance</h2>"
@@ -109,7 +117,7 @@ def _acceptance(metrics: dict) -> str:
         + _table(["suite", "prompts", "source"], prompts)
         + "<h3>Offline estimate (teacher-forced, the drafter's held-out split)</h3>"
         + _table(["num_steps", "acceptance length", "rate per position", "positions"], offline)
-        + "".join(f'<p class="note">{html.escape(v)}</p>' for v in metrics["notes"].values())
+        + "".join(f'<p class="note">{html.escape(v)}</p>' for v in metrics.notes.values())
     )
 
 
@@ -171,7 +179,7 @@ def render(params: Params, drafter: str) -> str:
             f"{folder}: drafter {drafter} is not evaluated at its current key "
             f"(run: snakemake --cores 2, or eaglet evaluate {drafter})"
         )
-    metrics = read_json(folder / "metrics.json")
+    metrics = read_metrics(folder / "metrics.json")
     prov = read_json(keys.sidecar("evaluate", drafter))["provenance"]
     trained = read_json(keys.sidecar("train", drafter)).get("stats", {})
     held = (trained.get("heldout") or {}).get("acc") or []
@@ -185,12 +193,13 @@ def render(params: Params, drafter: str) -> str:
         ]],
     )  # fmt: skip
     when = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
+    engine = engine_json(metrics.engine) if metrics.engine is not None else None
     parts = [
         f"<!doctype html><html><head><meta charset='utf-8'><title>eaglet: {drafter}</title>",
         f"<style>{STYLE}</style></head><body><h1>eaglet drafter <code>{drafter}</code></h1>",
         f"<p>Evaluation <code>{prov['key']}</code> (code v{prov.get('code_version')}), target "
-        f"{html.escape(str(params.target['model']))}, {metrics['prompts']} prompts, "
-        f"greedy reference: {metrics['greedy_reference']}; page written {when}.</p>",
+        f"{html.escape(str(params.target['model']))}, {metrics.prompts} prompts, "
+        f"greedy reference: {metrics.greedy_reference}; page written {when}.</p>",
         _acceptance(metrics),
         *(_image(folder, name, title) for name, title in PLOTS),
         "<h2>Training</h2>",
@@ -198,7 +207,7 @@ def render(params: Params, drafter: str) -> str:
         _data(keys, drafter),
         "<h2>Provenance</h2><p>The evaluation's key inputs (params, upstream keys):</p>",
         f"<pre>{html.escape(json.dumps(prov, indent=2))}</pre>",
-        f"<p>Engine: <code>{html.escape(json.dumps(metrics.get('engine')))}</code></p>",
+        f"<p>Engine: <code>{html.escape(json.dumps(engine, sort_keys=True))}</code></p>",
         "</body></html>",
     ]
     return "\n".join(parts)

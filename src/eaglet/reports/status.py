@@ -23,6 +23,7 @@ import time
 from eaglet import locks
 from eaglet.errors import AwaitedFile
 from eaglet.formats.io import read_json
+from eaglet.formats.metrics import summary_of
 from eaglet.formats.store import Store, store_path
 from eaglet.graph.artifacts import KEY_RE
 from eaglet.graph.keys import COMMANDS, STAGES, Keys, lock_of, sidecar_of
@@ -404,7 +405,7 @@ def _details(row: dict) -> str:
             )
         return text + (f", supervised {shares}" if shares else "")
     if row["stage"] == "evaluate" and st:
-        return _acceptance(st)
+        return _acceptance(row, st)
     return ""
 
 
@@ -420,24 +421,21 @@ def _seen(datasets: dict) -> str:
     return ", ".join(parts)
 
 
-def _values(runs: dict) -> str:
-    return "/".join(f"{v:.2f}" if v is not None else "?" for v in runs.values())
+def _values(by_steps: dict) -> str:
+    return "/".join(f"{v:.2f}" if v is not None else "?" for v in by_steps.values())
 
 
-def _acceptance(st: dict) -> str:
+def _acceptance(row: dict, st: dict) -> str:
     """Acceptance length per suite and temperature: the engine's, and eaglet's own."""
-    suites = st["suites"].values()
-    engine = any(k.startswith("vllm_") for s in suites for k in s)
+    summary = summary_of(st, str(sidecar_of(row["path"])))
+    engine = any(s.vllm for s in summary.suites.values())
     parts = []
-    for name, s in st["suites"].items():
-        who = "vllm_" if engine else "eaglet_"
-        temps = [k for k in s if k.startswith(f"{who}temperature_")]
-        shown = ", ".join(
-            f"t={k.removeprefix(f'{who}temperature_')} {_values(s[k])}" for k in temps
-        )
-        if engine and "eaglet_temperature_0" in s:
-            shown += f" (eaglet t=0 {_values(s['eaglet_temperature_0'])})"
-        if not all(s["greedy_equal"].values()):
+    for name, s in summary.suites.items():
+        runs = s.vllm if engine else s.eaglet
+        shown = ", ".join(f"t={t:g} {_values(by_steps)}" for t, by_steps in runs.items())
+        if engine and 0 in s.eaglet:
+            shown += f" (eaglet t=0 {_values(s.eaglet[0])})"
+        if not all(s.greedy_equal.values()):
             shown += " NOT greedy-equal"
         parts.append(f"{name} {shown}")
     return f"{'vLLM ' if engine else ''}acceptance length: " + "; ".join(parts)

@@ -3,16 +3,45 @@ training metrics.csv with DFlash's acc_1.. columns; EAGLE-3's start at acc_0) an
 (metrics.json and the sidecar)."""
 
 from eaglet.formats.dflash import save_dflash
+from eaglet.formats.metrics import (
+    Counters,
+    EngineInfo,
+    Greedy,
+    Metrics,
+    Run,
+    Startup,
+    Suite,
+    read_metrics,
+)
 from eaglet.stages.evaluate import run as evaluate_run
+
+# the engine's greedy run of a DFlash drafter of block_size 4: num_steps 3
+RUN = Run(
+    1.8,
+    (0.5, 0.4, 0.2),
+    18,
+    9.0,
+    Greedy(True, 0, 10.0, 0.9),
+    counters=Counters((0.5,), 10, 30, 8, 18),
+)
+SUITE = Suite(
+    prompts=2, source="q.jsonl", eaglet={}, vllm={0: {3: RUN}}, vllm_greedy_tokens_per_s=10.0
+)
 
 
 def test_plots_take_dflash_metrics(tmp_path):
-    run = {"acceptance_length": 1.8, "acceptance_rate": [0.5, 0.4, 0.2], "greedy_equal": True}
-    metrics = {
-        "drafter": "d",
-        "suites": {"q": {"eaglet": {}, "vllm": {"temperature_0": {"num_steps_3": run}}}},
-        "offline": {},
-    }
+    metrics = Metrics(
+        drafter="d",
+        prompts=2,
+        temperatures=(0,),
+        greedy_reference="vllm",
+        in_process=False,
+        suites={"q": SUITE},
+        offline={},
+        engine=EngineInfo("vllm", 1),
+        notes={},
+        elapsed_s=1.0,
+    )
     rows = [
         {"step": str(s), "loss": "2.0", "lr": "1e-3", "grad_norm": "1", "acc_1": "0.5",
          "acc_2": "0.3", "acc_3": "0.1"}
@@ -42,13 +71,12 @@ def test_the_stage_writes_a_dflash_drafters_engine_metrics(tmp_path, monkeypatch
     model = init(cfg, data["embed"], data["lm_head"], None)
     trained = tmp_path / "trained"
     save_dflash(model, trained, fit(model, data["samples"], Hyper(steps=2, batch_size=3)))
-    run = {"acceptance_length": 1.8, "acceptance_rate": [0.5, 0.4, 0.2], "greedy_equal": True}
-    per_suite = {"q": {"prompts": 2, "eaglet": {}, "vllm": {"temperature_0": {"num_steps_3": run}}}}
     seen = {}
+    engine = EngineInfo("vllm", 1, "float32", True, Startup(1.0, {3: 1.0}))
 
     def measured(spec, setup, model, target_model, readers, held):
         seen.update(model=model, target=target_model)
-        return per_suite, {"engine": "vllm"}
+        return {"q": SUITE}, engine
 
     monkeypatch.setattr(evaluate_run.hidden_read, "open_readers", lambda states: [])
     monkeypatch.setattr(evaluate_run.hidden_read, "split", lambda readers, f: ([], []))
@@ -66,6 +94,10 @@ def test_the_stage_writes_a_dflash_drafters_engine_metrics(tmp_path, monkeypatch
     assert seen == {"model": None, "target": None}
     assert metrics["method"] == "dflash" and metrics["offline"] == {}
     assert not metrics["in_process"] and "dflash" in metrics["notes"]
+    assert metrics["suites"]["q"]["vllm"]["temperature_0"]["num_steps_3"]["drafts"] == 10
+    typed = read_metrics(out / "metrics.json")
+    assert typed.suites == {"q": SUITE} and typed.engine == engine
+    assert (typed.method, typed.greedy_reference) == ("dflash", "vllm")
     stats = json.loads(evaluate_run.sidecar_of(out).read_text())["stats"]
     assert (stats["method"], stats["num_steps"], stats["acceptance_length"]) == ("dflash", 3, 1.8)
     settings["engine"] = "none"

@@ -66,8 +66,8 @@ def test_the_chain_estimates_equal_the_full_vocab_oracle(data, tmp_path):
         mine = train_kernel.offline_acceptance(model, [reader], refs, hp, head, run)
         full = evaluate_kernel.offline(model, [reader], refs, data["lm_head"], [1, 3])
         assert mine == pytest.approx(oracle, abs=1e-6)
-        assert full["num_steps_3"]["acceptance_length"] == pytest.approx(oracle, abs=1e-6)
-        assert full["num_steps_1"]["acceptance_length"] <= oracle
+        assert full[3].acceptance_length == pytest.approx(oracle, abs=1e-6)
+        assert full[1].acceptance_length <= oracle
     assert oracle > 1.05  # the held-out twins are learnt: the chain is accepted at times
 
 
@@ -80,7 +80,7 @@ def test_the_best_epoch_is_the_drafter_and_the_curve_is_recorded(data, tmp_path)
     assert sel["step"] == (sel["epoch"] + 1) * stats["steps"] // 4
     model = load_drafter(tmp_path / "d")
     full = evaluate_kernel.offline(model, [reader], held, data["lm_head"], [3])  # the kept weights
-    assert full["num_steps_3"]["acceptance_length"] == pytest.approx(sel["value"], abs=1e-6)
+    assert full[3].acceptance_length == pytest.approx(sel["value"], abs=1e-6)
     with open(tmp_path / "d" / "heldout.csv", newline="") as f:
         rows = list(csv.DictReader(f))
     assert [float(r["offline_acceptance_length"]) for r in rows] == pytest.approx(sel["curve"])

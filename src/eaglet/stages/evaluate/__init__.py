@@ -43,6 +43,7 @@ CODE = Code(
         "eaglet.stages.hidden.read:is_heldout",
         "eaglet.stages.hidden.read:split",
         "eaglet.formats.speculative",
+        "eaglet.formats.metrics",  # the writers of metrics.json and the sidecar's stats
         "eaglet.model.sampling",
     ),
 )

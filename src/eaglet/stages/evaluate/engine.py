@@ -23,10 +23,10 @@ import httpx
 
 from eaglet.engines.vllm import Engine, ServeConfig
 from eaglet.errors import EagletError
+from eaglet.formats.metrics import EngineInfo, Runs, Startup, run_of
 from eaglet.formats.speculative import dflash, eagle3, spec_counters
 from eaglet.graph.keys import Spec
 from eaglet.model.speculative import against_greedy
-from eaglet.stages.evaluate.kernel import temperature_key
 
 if TYPE_CHECKING:
     from eaglet.stages.evaluate.spec import Setup
@@ -86,6 +86,16 @@ def run(
     return {"outputs": outputs, "seconds": seconds, "tokens": tokens, "counters": delta}
 
 
+@dataclasses.dataclass(frozen=True)
+class EngineSuite:
+    """One suite on the engine: its plain greedy outputs and tokens/s (None on an operator's
+    engine: no plain run), and its speculative runs per temperature and num_steps."""
+
+    greedy_outputs: list[list[int]] | None
+    greedy_tokens_per_s: float | None
+    runs: Runs
+
+
 def measure(
     serve: ServeConfig,
     export: Path,
@@ -95,24 +105,19 @@ def measure(
     startup_timeout_s: float = 900.0,
     log: Path | None = None,
     method: str = "eagle3",
-) -> dict:
+) -> tuple[EngineInfo, dict[str, EngineSuite]]:
     """Plain and speculative runs of every suite on the engine. `cfg`: the evaluate settings
     (num_steps, max_new_tokens, temperatures, seed, engine_concurrency). Per suite: its greedy
-    outputs and tokens/s, and per temperature and num_steps the speculative metrics. `method`:
+    outputs and tokens/s, and per temperature and num_steps the speculative run. `method`:
     the drafter's, eagle3 or dflash (vLLM's speculative method)."""
     speculative = {"eagle3": eagle3, "dflash": dflash}[method]
     max_new, conc = cfg["max_new_tokens"], cfg["engine_concurrency"]
-    out: dict = {"engine": "vllm", "dtype": serve.dtype, "enforce_eager": serve.enforce_eager}
-    out["concurrency"] = conc
     with Engine(serve, log=log, startup_timeout_s=startup_timeout_s) as engine:
         plain = {
             n: run(engine, serve.served_name, p, max_new, stop, conc) for n, p in suites.items()
         }
-    startup = {"plain": engine.startup_s}
-    per_suite: dict = {}
-    for name, r in plain.items():
-        tps = r["tokens"] / r["seconds"]
-        per_suite[name] = {"greedy_tokens_per_s": round(tps, 2), "greedy_outputs": r["outputs"]}
+    plain_startup, startup = engine.startup_s, {}
+    runs: dict[str, Runs] = {name: {} for name in suites}
     for s in cfg["num_steps"]:
         spec = dataclasses.replace(serve, speculative=speculative(export.resolve(), s))
         with Engine(spec, log=log, startup_timeout_s=startup_timeout_s) as engine:
@@ -120,15 +125,20 @@ def measure(
                 for t in cfg["temperatures"]:
                     r = run(engine, serve.served_name, prompts, max_new, stop, conc, t, cfg["seed"])
                     m = _speculative(r, plain[name] if t == 0 else None)
-                    per_suite[name].setdefault(temperature_key(t), {})[f"num_steps_{s}"] = m
-        startup[f"num_steps_{s}"] = engine.startup_s
-    out["suites"] = per_suite
-    out["startup_s"] = startup
-    return out
+                    runs[name].setdefault(t, {})[s] = run_of(m, f"vLLM's run at num_steps {s}")
+        startup[s] = engine.startup_s
+    started = Startup(plain_startup, startup)
+    info = EngineInfo("vllm", conc, serve.dtype, serve.enforce_eager, started)
+    per_suite = {
+        name: EngineSuite(r["outputs"], round(r["tokens"] / r["seconds"], 2), runs[name])
+        for name, r in plain.items()
+    }
+    return info, per_suite
 
 
 def _speculative(r: dict, plain: dict | None) -> dict:
-    """A speculative run's metrics; against the plain greedy run when it is greedy too."""
+    """A speculative run's metrics (run_of's fields); against the plain greedy run when it is
+    greedy too."""
     m = r["counters"].summary()
     tps = r["tokens"] / r["seconds"]
     m["generated_tokens"] = r["tokens"]
@@ -142,16 +152,16 @@ def _speculative(r: dict, plain: dict | None) -> dict:
 
 def measure_running(
     url: str, model: str, suites: dict[str, list[list[int]]], cfg: dict, stop: list[int]
-) -> dict:
+) -> tuple[EngineInfo, dict[str, EngineSuite]]:
     """Every suite on an operator's engine already serving the drafter with `num_steps` draft
     tokens, at each temperature: acceptance from its counters. No plain run, so no greedy
     reference and no speedup."""
     (num_steps,) = cfg["num_steps"]
     max_new, conc = cfg["max_new_tokens"], cfg["engine_concurrency"]
-    per_suite: dict = {}
+    per_suite = {}
     with Engine(url=url) as engine:
         for name, prompts in suites.items():
-            per_suite[name] = {"greedy_tokens_per_s": None, "greedy_outputs": None}
+            runs: Runs = {}
             for t in cfg["temperatures"]:
                 r = run(engine, model, prompts, max_new, stop, conc, t, cfg["seed"])
                 m = r["counters"].summary()
@@ -163,8 +173,9 @@ def measure_running(
                 m.update(
                     generated_tokens=r["tokens"], tokens_per_s=round(r["tokens"] / r["seconds"], 2)
                 )
-                per_suite[name][temperature_key(t)] = {f"num_steps_{num_steps}": m}
-    return {"engine": "vllm", "operator": True, "concurrency": conc, "suites": per_suite}
+                runs[t] = {num_steps: run_of(m, f"the engine's run at num_steps {num_steps}")}
+            per_suite[name] = EngineSuite(None, None, runs)
+    return EngineInfo("vllm", conc), per_suite
 
 
 def engine_export(spec: Spec, setup: Setup) -> Path:
@@ -184,7 +195,7 @@ def engine_metrics(
     stop: set[int],
     cfg: dict,
     method: str = "eagle3",
-) -> dict:
+) -> tuple[EngineInfo, dict[str, EngineSuite]]:
     """Every suite run by vLLM serving the target with the drafter's vLLM export (started here),
     or by an operator's engine already serving it (`engine_url`). `cfg`: `settings`'s."""
     target = setup.target

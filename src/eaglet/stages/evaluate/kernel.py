@@ -10,6 +10,15 @@ from typing import TYPE_CHECKING
 import torch
 
 from eaglet.formats.dflash import DFLASH_CONFIG, is_dflash
+from eaglet.formats.metrics import (
+    Agreement,
+    Metrics,
+    Offline,
+    Run,
+    SuiteSummary,
+    Summary,
+    run_of,
+)
 from eaglet.graph.keys import Spec
 from eaglet.model import speculative, ttt
 from eaglet.model.drafter import Drafter
@@ -38,7 +47,7 @@ def heldout_prompts(readers: list, held: list, n: int) -> list[list[int]]:
 @torch.no_grad()
 def offline(
     model: Drafter, readers: list, refs: list, lm_head: torch.Tensor, num_steps: list[int]
-) -> dict:
+) -> dict[int, Offline]:
     """Acceptance estimated from held-out hidden states: at every start position t whose
     token t+1 is an assistant token, the draft chain is accepted while step k's draft equals
     the target's argmax at t+k+1 and token t+k+2 is still in the response. Training's
@@ -51,13 +60,13 @@ def offline(
     for s in num_steps:
         kept = n.clamp(max=s)
         reached = [int((kept >= i).sum()) for i in range(s + 1)]
-        out[f"num_steps_{s}"] = {
-            "acceptance_length": float(1 + kept.float().mean()) if len(n) else None,
-            "acceptance_rate": [
+        out[s] = Offline(
+            acceptance_length=float(1 + kept.float().mean()) if len(n) else None,
+            acceptance_rate=tuple(
                 reached[i] / reached[i - 1] if reached[i - 1] else 0.0 for i in range(1, s + 1)
-            ],
-            "positions": len(n),
-        }
+            ),
+            positions=len(n),
+        )
     return out
 
 
@@ -71,7 +80,7 @@ def decode_all(
     reference: list[list[int]] | None = None,
     label: str = "evaluate",
     temperature: float = 0.0,
-) -> dict:
+) -> dict[int, Run]:
     """Speculative decoding of every prompt for each num_steps. Greedy (temperature 0): each
     output checked against plain greedy decoding, `reference` (the engine's greedy outputs, when
     it ran) or eaglet's own. Sampled: speculative sampling seeded by `seed` + num_steps."""
@@ -110,7 +119,7 @@ def decode_all(
         else:
             same = [r.tokens == g for r, g in zip(results, reference, strict=True)]
             m.update(speculative.against_greedy(same, tps, greedy_tps))
-        out[f"num_steps_{s}"] = m
+        out[s] = run_of(m, f"eaglet's run at num_steps {s}")
     return out
 
 
@@ -156,55 +165,50 @@ DFLASH_NOTE = (
 )
 
 
-def agreement(own: dict, engine: dict) -> dict:
-    """How the engine's greedy numbers agree with eaglet's: the same quantity (1 + accepted
-    drafts / verification rounds) on the same prompts, each checked against the engine's greedy
-    text (NOTES["agreement"])."""
-    out: dict = {}
-    for name, m in own.items():
-        ours, theirs = m["mean_acceptance_length"], engine[name]["acceptance_length"]
+def agreement(own: dict[int, Run], engine: dict[int, Run]) -> dict[int, Agreement]:
+    """How the engine's greedy numbers agree with eaglet's, per num_steps: the same quantity (1 +
+    accepted drafts / verification rounds) on the same prompts, each checked against the
+    engine's greedy text (NOTES["agreement"])."""
+    out = {}
+    for n, m in own.items():
+        ours, theirs = m.rounds.mean_acceptance_length, engine[n].acceptance_length
         diff = theirs - ours if ours is not None and theirs is not None else None
-        out[name] = {
-            "engine": theirs,
-            "eaglet": ours,
-            "difference": diff,
-            "eaglet_greedy_equal": m["greedy_equal"],
-            "engine_greedy_equal": engine[name]["greedy_equal"],
-        }
+        out[n] = Agreement(
+            engine=theirs,
+            eaglet=ours,
+            difference=diff,
+            eaglet_greedy_equal=m.greedy.greedy_equal,
+            engine_greedy_equal=engine[n].greedy.greedy_equal,
+        )
     return out
 
 
-def summary(metrics: dict, num_steps: list[int]) -> dict:
+def _lengths(runs: dict[float, dict[int, Run]]) -> dict[float, dict[int, float | None]]:
+    return {t: {n: r.acceptance_length for n, r in by.items()} for t, by in runs.items()}
+
+
+def summary(metrics: Metrics, num_steps: list[int]) -> Summary:
     """The headline numbers: acceptance length at the fewest steps on the first suite (the
     engine's greedy one when it ran, else eaglet's), and per suite the engine's acceptance
     length per temperature, eaglet's own and its greedy equality, per num_steps; the offline
     estimate."""
-    first = f"num_steps_{min(num_steps)}"
-    engine = metrics["engine"] is not None
-    runs = next(iter(metrics["suites"].values()))["vllm" if engine else "eaglet"]
-    greedy = runs.get(temperature_key(0)) or next(iter(runs.values()))
-    headline = greedy[first]["acceptance_length"]
-    per_suite = {}
-    for name, m in metrics["suites"].items():
-        row: dict = {"prompts": m["prompts"]}
-        for t, runs in (m.get("vllm") or {}).items():
-            row[f"vllm_{t}"] = {n: r["acceptance_length"] for n, r in runs.items()}
-        for t, runs in m["eaglet"].items():
-            row[f"eaglet_{t}"] = {n: r["acceptance_length"] for n, r in runs.items()}
-        greedy = m["eaglet"].get(temperature_key(0), {})
-        row["greedy_equal"] = {n: r["greedy_equal"] for n, r in greedy.items()}
-        per_suite[name] = row
-    return {
-        "prompts": metrics["prompts"],
-        "acceptance_length": headline,
-        "acceptance_length_by": "vllm" if engine else "eaglet",
-        "suites": per_suite,
-        "offline_acceptance_length": {
-            n: m["acceptance_length"] for n, m in metrics["offline"].items()
-        },
+    engine = metrics.engine is not None
+    first = next(iter(metrics.suites.values()))
+    runs = first.vllm if engine else first.eaglet
+    greedy = runs.get(0) or next(iter(runs.values()))
+    per_suite = {
+        name: SuiteSummary(
+            prompts=m.prompts,
+            eaglet=_lengths(m.eaglet),
+            vllm=_lengths(m.vllm or {}),
+            greedy_equal={n: r.greedy.greedy_equal for n, r in m.eaglet.get(0, {}).items()},
+        )
+        for name, m in metrics.suites.items()
     }
-
-
-def temperature_key(t: float) -> str:
-    """How a temperature names its results: temperature_0, temperature_0.7."""
-    return f"temperature_{t:g}"
+    return Summary(
+        prompts=metrics.prompts,
+        acceptance_length=greedy[min(num_steps)].acceptance_length,
+        acceptance_length_by="vllm" if engine else "eaglet",
+        suites=per_suite,
+        offline_acceptance_length={n: m.acceptance_length for n, m in metrics.offline.items()},
+    )

@@ -15,6 +15,15 @@ from eaglet.formats.atomic import atomic_path
 from eaglet.formats.chat import stop_ids
 from eaglet.formats.drafter import load_drafter
 from eaglet.formats.io import write_json
+from eaglet.formats.metrics import (
+    EngineInfo,
+    Metrics,
+    Run,
+    Suite,
+    steps_key,
+    summary_json,
+    write_metrics,
+)
 from eaglet.graph.keys import Keys, Spec, sidecar_of
 from eaglet.model import speculative
 from eaglet.model.drafter import Drafter
@@ -36,27 +45,23 @@ from eaglet.stages.evaluate.kernel import (
     offline,
     settings,
     summary,
-    temperature_key,
 )
 from eaglet.stages.evaluate.spec import EvaluateSpec, Setup
 from eaglet.stages.hidden import read as hidden_read
 
 
-def lines(metrics: dict) -> list[tuple[str, str, dict]]:
-    """(suite, label, metrics of one run) of every speculative run: the engine's per temperature
-    and eaglet's own, each num_steps."""
+def lines(metrics: Metrics) -> list[tuple[str, str, Run]]:
+    """(suite, label, one run) of every speculative run: the engine's per temperature and
+    eaglet's own, each num_steps."""
     out = []
-    for suite, m in metrics["suites"].items():
-        for tkey, runs in (m.get("vllm") or {}).items():
-            t = tkey.removeprefix("temperature_")
-            out += [(suite, f"vLLM t={t} {n}", r) for n, r in runs.items()]
-        for tkey, runs in m["eaglet"].items():
-            t = tkey.removeprefix("temperature_")
-            out += [(suite, f"eaglet t={t} {n}", r) for n, r in runs.items()]
+    for suite, m in metrics.suites.items():
+        for who, runs in (("vLLM", m.vllm or {}), ("eaglet", m.eaglet)):
+            for t, by_steps in runs.items():
+                out += [(suite, f"{who} t={t:g} {steps_key(n)}", r) for n, r in by_steps.items()]
     return out
 
 
-def plot(metrics: dict, train_rows: list[dict], folder: Path) -> None:
+def plot(metrics: Metrics, train_rows: list[dict], folder: Path) -> None:
     """acceptance.png (per draft position), suites.png (acceptance length per suite and
     temperature) and loss.png (training loss and accuracy)."""
     import matplotlib
@@ -67,32 +72,32 @@ def plot(metrics: dict, train_rows: list[dict], folder: Path) -> None:
     runs = lines(metrics)
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for suite, label, m in runs:
-        rates, al = m["acceptance_rate"], m["acceptance_length"] or 0.0
+        rates, al = m.acceptance_rate, m.acceptance_length or 0.0
         style = ("o-" if "vLLM" in label else "x--") if " t=0 " in label else "s:"
         ax.plot(range(1, len(rates) + 1), rates, style, label=f"{suite} {label}: AL {al:.2f}")
-    for name, m in metrics["offline"].items():
-        rates = m["acceptance_rate"]
-        ax.plot(range(1, len(rates) + 1), rates, "+--", alpha=0.6, label=f"offline {name}")
+    for n, m in metrics.offline.items():
+        rates = m.acceptance_rate
+        ax.plot(range(1, len(rates) + 1), rates, "+--", alpha=0.6, label=f"offline {steps_key(n)}")
     ax.set(xlabel="draft position", ylabel="acceptance rate (given the previous accepted)")
     ax.set_ylim(0, 1)
     ax.legend(fontsize=7)
-    ax.set_title(f"{metrics['drafter']}: acceptance per position")
+    ax.set_title(f"{metrics.drafter}: acceptance per position")
     fig.tight_layout()
     fig.savefig(folder / "acceptance.png", dpi=100)
     plt.close(fig)
 
-    suites = list(metrics["suites"])
+    suites = list(metrics.suites)
     labels = list(dict.fromkeys(label for _, label, _ in runs))
     fig, ax = plt.subplots(figsize=(7, 4))
     width = 0.8 / max(len(labels), 1)
     for i, label in enumerate(labels):
-        values = {s: m["acceptance_length"] or 0.0 for s, lab, m in runs if lab == label}
+        values = {s: m.acceptance_length or 0.0 for s, lab, m in runs if lab == label}
         xs = [j + i * width for j in range(len(suites))]
         bars = ax.bar(xs, [values.get(s, 0.0) for s in suites], width, label=label)
         ax.bar_label(bars, fmt="%.2f", fontsize=7)
     ax.set_xticks([j + width * (len(labels) - 1) / 2 for j in range(len(suites))], suites)
     ax.set(ylabel="acceptance length (bonus token included)", ylim=(1, None))
-    ax.set_title(f"{metrics['drafter']}: acceptance length per suite")
+    ax.set_title(f"{metrics.drafter}: acceptance length per suite")
     ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(folder / "suites.png", dpi=100)
@@ -118,9 +123,9 @@ def measure_suites(
     target_model: torch.nn.Module | None,
     readers: list,
     held: list,
-) -> tuple[dict, dict | None]:
+) -> tuple[dict[str, Suite], EngineInfo | None]:
     """Every suite decoded by the engine (if configured) and by eaglet (if the target is loaded
-    here, `target_model`): the per-suite metrics."""
+    here, `target_model`): the per-suite metrics, and the engine that measured."""
     cfg, method = settings(spec, setup)
     tokenizer = load_tokenizer(setup.target)
     if target_model is not None:
@@ -133,8 +138,10 @@ def measure_suites(
     for name, p in prompts.items():
         if not p:
             raise EagletError(f"drafters.{spec.name}: suite {name}: no prompts to decode")
-    engine = (
-        engine_metrics(spec, setup, prompts, stop, cfg, method) if cfg["engine"] == "vllm" else None
+    info, engine = (
+        engine_metrics(spec, setup, prompts, stop, cfg, method)
+        if cfg["engine"] == "vllm"
+        else (None, {})
     )
     target = target_model and speculative.Target(target_model, list(model.cfg.aux_layer_ids))
     sources = {s.name: s.label for s in setup.suites} or {
@@ -142,24 +149,26 @@ def measure_suites(
     }
     out = {}
     for name, p in prompts.items():
-        e = engine["suites"][name] if engine else None
-        ref = e.pop("greedy_outputs") if e else None
+        e = engine.get(name)
+        ref = e.greedy_outputs if e else None
         own = {
-            temperature_key(t): decode_all(
+            t: decode_all(
                 target, model, p, cfg, stop, setup.quiet, ref, f"evaluate {name} t={t:g}", t
             )
             for t in (cfg["temperatures"] if target else [])
         }
         suite, _, mode = name.partition("/")
-        out[name] = {"prompts": len(p), "source": sources[suite], "eaglet": own}
-        if mode:
-            out[name]["mode"] = mode
-        if e:
-            out[name]["vllm_greedy_tokens_per_s"] = e.pop("greedy_tokens_per_s")
-            out[name]["vllm"] = e
-            if "temperature_0" in e and own and ref:
-                out[name]["agreement"] = agreement(own["temperature_0"], e["temperature_0"])
-    return out, ({k: v for k, v in engine.items() if k != "suites"} if engine else None)
+        agreed = agreement(own[0], e.runs[0]) if e and 0 in e.runs and own and ref else None
+        out[name] = Suite(
+            prompts=len(p),
+            source=sources[suite],
+            eaglet=own,
+            vllm=e.runs if e else None,
+            vllm_greedy_tokens_per_s=e.greedy_tokens_per_s if e else None,
+            agreement=agreed,
+            mode=mode or None,
+        )
+    return out, info
 
 
 def setup(
@@ -210,30 +219,30 @@ def run(spec: Spec[EvaluateSpec], setup: Setup, out: Path) -> Path:
         model.to(lm_head.device)
     t0 = time.monotonic()
     per_suite, engine = measure_suites(spec, setup, model, target_model, readers, held)
-    reference = engine is not None and not engine.get("operator")
-    metrics = {
-        "drafter": spec.name,
-        "prompts": sum(m["prompts"] for m in per_suite.values()),
-        "temperatures": cfg["temperatures"],
-        "greedy_reference": "vllm" if reference else ("eaglet" if own_decoder else None),
-        "in_process": own_decoder,
-        "suites": per_suite,
-        "offline": {} if dflash else offline(model, readers, held, lm_head, cfg["num_steps"]),
-        "engine": engine,
-        "notes": NOTES,
-    }
-    if dflash:  # EAGLE-3's metrics keep their bytes: these keys are DFlash's alone
-        metrics["method"] = "dflash"
-        metrics["notes"] = NOTES | {"dflash": DFLASH_NOTE}
+    reference = engine is not None and not engine.operator
+    estimate = {} if dflash else offline(model, readers, held, lm_head, cfg["num_steps"])
     hidden_read.close_readers(readers)  # an online reader's engine
-    metrics["elapsed_s"] = round(time.monotonic() - t0, 2)
+    metrics = Metrics(
+        drafter=spec.name,
+        prompts=sum(m.prompts for m in per_suite.values()),
+        temperatures=tuple(cfg["temperatures"]),
+        greedy_reference="vllm" if reference else ("eaglet" if own_decoder else None),
+        in_process=own_decoder,
+        suites=per_suite,
+        offline=estimate,
+        engine=engine,
+        # EAGLE-3's metrics keep their bytes: the method and its note are DFlash's alone
+        notes=(NOTES | {"dflash": DFLASH_NOTE}) if dflash else NOTES,
+        elapsed_s=round(time.monotonic() - t0, 2),
+        method="dflash" if dflash else None,
+    )
     with open(setup.trained / "metrics.csv", newline="") as f:
         rows = list(csv.DictReader(f))
     with atomic_path(out, directory=True) as tmp:
-        write_json(tmp / "metrics.json", metrics)
+        write_metrics(tmp / "metrics.json", metrics)
         plot(metrics, rows, tmp)
         stats = summary(metrics, cfg["num_steps"])
         if dflash:
-            stats |= {"method": "dflash", "num_steps": cfg["num_steps"][0], "note": DFLASH_NOTE}
-        write_json(sidecar_of(out), {"provenance": spec.provenance(), "stats": stats})
+            stats = stats.dflash(cfg["num_steps"][0], DFLASH_NOTE)
+        write_json(sidecar_of(out), {"provenance": spec.provenance(), "stats": summary_json(stats)})
     return out
