@@ -310,103 +310,129 @@ def _short(change: str) -> str:
 
 
 def _details(row: dict) -> str:
-    st = row.get("stats", {})
+    """The row's state in words: an unfinished, damaged or waiting build, else its stats."""
     if row["state"] == "partial":
-        p = row["partial"]
-        done = f"{p['shards']} shards built" if "shards" in p else ""
-        if "step" in p:
-            done = f"checkpoint at step {p['step']}" + (f"/{p['total']}" if "total" in p else "")
-            done += f" ({_seen(p['datasets'])})" if p.get("datasets") else ""
-        if b := p.get("progress"):
-            done = (
-                f"{b['done']}/{b['total']} {b['unit']}, {b['tok_s']:,.0f} tok/s, ETA "
-                + (_duration(b["eta_s"]) + (f", loss {b['loss']:.3f}" if b.get("loss") else ""))
-                + (f"; {done}" if done else "")
-            )
-        return f"{done or 'started'}; {row['next']}"
+        return f"{_unfinished(row['partial']) or 'started'}; {row['next']}"
     if row["state"] == "damaged":
         return f"{row['damage']}; {row['next']}"
     if row["state"] == "waiting":
         w = row["waiting_for"]
         return f"waits for {w['file']} ({w['field']}): add the file, then build"
-    if row["stage"] == "prompts" and st:
-        return f"{st['kept']} prompts ({st['bad_rows']} bad rows, {st['duplicates']} duplicates)"
-    g = row.get("generation")
-    if row["stage"] == "responses" and g:
-        t = g["target"]
-        if g["turns"] == g["prompts"]:
-            text = f"{g['done']}/{g['prompts']} answered"
-        else:  # several turns a conversation
-            text = f"{g['done']}/{g['turns']} turns of {g['prompts']} conversations answered"
-        text += f", {g['tokens']:,} tok ({t['pct']:.0f}% of "
-        if t["by"] == "token_budget":
-            text += "token budget)"
-        else:
-            text += "prompts)" if g["turns"] == g["prompts"] else "turns)"
-        if g["failed"]:
-            text += f", {g['failed']} failed"
-        if g.get("rejected"):
-            text += f", {g['rejected']} rejected for good"
-        if g["cost"]:
-            text += f", ${g['cost']:.4f}"
-        drift = st.get("token_drift")
-        if drift and drift["records"]:
-            text += f", token drift {drift['drift']:.2%}"
-            text += f" (worst {drift['worst']['id']})" if drift["worst"] else ""
-        if st.get("from_grammar"):
-            text += f", {st['from_grammar']} written in the target's grammar"
-        if (u := st.get("unwritable")) and u["count"]:
-            first = u["first"][0]
-            text += f", {u['count']} left out (first {first['id']}: {first['reason']})"
-        checks = report.summary(st.get("regeneration", {}))
-        text += f"; {checks}" if checks else ""
-        run = g["run"]
-        if run and run["state"] == "interrupted" and g["done"] < g["turns"]:
-            text += f"; interrupted at {run.get('done', '?')}/{run.get('total', '?')}"
-            text += f" (continue: eaglet generate {row['dataset']})"
-        if run and run["state"] in ("running", "stalled"):
-            text += (
-                f"; {run['state']}: {run['done']}/{run['total']}, {run['rate']:.2f} req/s, "
-                f"ETA {_duration(run['eta_s'])}"
-            )
-        return text
-    if row["stage"] == "hidden" and st:
-        per_token = row["disk_bytes"] / st["tokens"]
-        seqs = f"{st['samples']} seqs"
-        if st.get("merged_turns"):  # turns of a conversation sharing a sample
-            seqs += f" ({st['samples'] + st['merged_turns']} turns)"
-        if "state_bytes_per_token" not in st:  # online/hybrid: no shards in the stage's folder
-            return f"{seqs}, {st['tokens']} tok, ids only: states from the engine"
-        return (
-            f"{seqs}, {st['tokens']} tok, {per_token:.0f} B/tok on disk "
-            f"= {st['state_bytes_per_token']} x {per_token / st['state_bytes_per_token']:.3f}"
+    st = row.get("stats", {})
+    if row["stage"] == "responses":
+        return _generated(row["generation"], row["dataset"], st) if row.get("generation") else ""
+    built = BUILT.get(row["stage"])
+    return built(row, st) if built and st else ""
+
+
+def _unfinished(p: dict) -> str:
+    """How far an unfinished build got: shards or checkpoint kept, and its running beacon."""
+    done = f"{p['shards']} shards built" if "shards" in p else ""
+    if "step" in p:
+        done = f"checkpoint at step {p['step']}" + (f"/{p['total']}" if "total" in p else "")
+        done += f" ({_seen(p['datasets'])})" if p.get("datasets") else ""
+    if b := p.get("progress"):
+        done = (
+            f"{b['done']}/{b['total']} {b['unit']}, {b['tok_s']:,.0f} tok/s, ETA "
+            + (_duration(b["eta_s"]) + (f", loss {b['loss']:.3f}" if b.get("loss") else ""))
+            + (f"; {done}" if done else "")
         )
-    if row["stage"] == "vocab" and st:
-        return f"{st['draft_vocab_size']} ids, {100 * st['coverage']:.1f}% of assistant tokens"
-    if row["stage"] == "train" and st:
-        acc = (st.get("heldout") or {}).get("acc") or [float("nan")]
-        shares = ", ".join(
-            f"{name} {s['share']:.2f}"
-            for name, s in (st.get("supervised_share") or {}).items()
-            if s["share"] is not None
+    return done
+
+
+def _generated(g: dict, dataset: str, st: dict) -> str:
+    """A dataset's answers: how many, their tokens against the target, failures, cost, the
+    regeneration checks and the run in progress or interrupted."""
+    t = g["target"]
+    if g["turns"] == g["prompts"]:
+        text = f"{g['done']}/{g['prompts']} answered"
+    else:  # several turns a conversation
+        text = f"{g['done']}/{g['turns']} turns of {g['prompts']} conversations answered"
+    text += f", {g['tokens']:,} tok ({t['pct']:.0f}% of "
+    if t["by"] == "token_budget":
+        text += "token budget)"
+    else:
+        text += "prompts)" if g["turns"] == g["prompts"] else "turns)"
+    if g["failed"]:
+        text += f", {g['failed']} failed"
+    if g.get("rejected"):
+        text += f", {g['rejected']} rejected for good"
+    if g["cost"]:
+        text += f", ${g['cost']:.4f}"
+    text += _answer_checks(st)
+    run = g["run"]
+    if run and run["state"] == "interrupted" and g["done"] < g["turns"]:
+        text += f"; interrupted at {run.get('done', '?')}/{run.get('total', '?')}"
+        text += f" (continue: eaglet generate {dataset})"
+    if run and run["state"] in ("running", "stalled"):
+        text += (
+            f"; {run['state']}: {run['done']}/{run['total']}, {run['rate']:.2f} req/s, "
+            f"ETA {_duration(run['eta_s'])}"
         )
-        text = f"{st['steps']} steps, loss {st['final_loss']:.3f}, held-out acc@0 {acc[0]:.2f}"
-        if w := st.get("init_from"):
-            text += (
-                f", warm start ({w['format']} format, {w['rows_copied']}/{w['draft_vocab']} "
-                "lm_head rows)"
-            )
-        if seen := st.get("datasets"):
-            text += f", trained on {_seen(seen)}"
-        if sel := st.get("selected"):
-            text += (
-                f", kept epoch {sel['epoch'] + 1} of {len(sel['curve'])} (offline acceptance "
-                f"{sel['value']:.3f}, last {sel['curve'][-1]:.3f})"
-            )
-        return text + (f", supervised {shares}" if shares else "")
-    if row["stage"] == "evaluate" and st:
-        return _acceptance(row, st)
-    return ""
+    return text
+
+
+def _answer_checks(st: dict) -> str:
+    """What the responses stage's sidecar says of the answers: token drift, answers written in
+    the target's grammar or left out, and the regeneration checks."""
+    text = ""
+    drift = st.get("token_drift")
+    if drift and drift["records"]:
+        text += f", token drift {drift['drift']:.2%}"
+        text += f" (worst {drift['worst']['id']})" if drift["worst"] else ""
+    if st.get("from_grammar"):
+        text += f", {st['from_grammar']} written in the target's grammar"
+    if (u := st.get("unwritable")) and u["count"]:
+        first = u["first"][0]
+        text += f", {u['count']} left out (first {first['id']}: {first['reason']})"
+    checks = report.summary(st.get("regeneration", {}))
+    return text + (f"; {checks}" if checks else "")
+
+
+def _prompted(row: dict, st: dict) -> str:
+    return f"{st['kept']} prompts ({st['bad_rows']} bad rows, {st['duplicates']} duplicates)"
+
+
+def _stored(row: dict, st: dict) -> str:
+    """Hidden states: sequences, tokens and bytes a token on disk against the states' own."""
+    per_token = row["disk_bytes"] / st["tokens"]
+    seqs = f"{st['samples']} seqs"
+    if st.get("merged_turns"):  # turns of a conversation sharing a sample
+        seqs += f" ({st['samples'] + st['merged_turns']} turns)"
+    if "state_bytes_per_token" not in st:  # online/hybrid: no shards in the stage's folder
+        return f"{seqs}, {st['tokens']} tok, ids only: states from the engine"
+    return (
+        f"{seqs}, {st['tokens']} tok, {per_token:.0f} B/tok on disk "
+        f"= {st['state_bytes_per_token']} x {per_token / st['state_bytes_per_token']:.3f}"
+    )
+
+
+def _picked(row: dict, st: dict) -> str:
+    return f"{st['draft_vocab_size']} ids, {100 * st['coverage']:.1f}% of assistant tokens"
+
+
+def _trained(row: dict, st: dict) -> str:
+    """Training: steps, final loss, held-out accuracy, warm start, data seen, the epoch kept."""
+    acc = (st.get("heldout") or {}).get("acc") or [float("nan")]
+    shares = ", ".join(
+        f"{name} {s['share']:.2f}"
+        for name, s in (st.get("supervised_share") or {}).items()
+        if s["share"] is not None
+    )
+    text = f"{st['steps']} steps, loss {st['final_loss']:.3f}, held-out acc@0 {acc[0]:.2f}"
+    if w := st.get("init_from"):
+        text += (
+            f", warm start ({w['format']} format, {w['rows_copied']}/{w['draft_vocab']} "
+            "lm_head rows)"
+        )
+    if seen := st.get("datasets"):
+        text += f", trained on {_seen(seen)}"
+    if sel := st.get("selected"):
+        text += (
+            f", kept epoch {sel['epoch'] + 1} of {len(sel['curve'])} (offline acceptance "
+            f"{sel['value']:.3f}, last {sel['curve'][-1]:.3f})"
+        )
+    return text + (f", supervised {shares}" if shares else "")
 
 
 def _seen(datasets: dict) -> str:
@@ -425,7 +451,7 @@ def _values(by_steps: dict) -> str:
     return "/".join(f"{v:.2f}" if v is not None else "?" for v in by_steps.values())
 
 
-def _acceptance(row: dict, st: dict) -> str:
+def _evaluated(row: dict, st: dict) -> str:
     """Acceptance length per suite and temperature: the engine's, and eaglet's own."""
     summary = summary_of(st, str(sidecar_of(row["path"])))
     engine = any(s.vllm for s in summary.suites.values())
@@ -439,6 +465,16 @@ def _acceptance(row: dict, st: dict) -> str:
             shown += " NOT greedy-equal"
         parts.append(f"{name} {shown}")
     return f"{'vLLM ' if engine else ''}acceptance length: " + "; ".join(parts)
+
+
+# The stats of a built artifact in words, per stage (responses: _generated, from the store).
+BUILT = {
+    "prompts": _prompted,
+    "hidden": _stored,
+    "vocab": _picked,
+    "train": _trained,
+    "evaluate": _evaluated,
+}
 
 
 def show(params: Params, as_json: bool = False) -> None:
