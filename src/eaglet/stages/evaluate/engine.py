@@ -29,7 +29,7 @@ from eaglet.model.speculative import against_greedy
 from eaglet.stages.evaluate.kernel import temperature_key
 
 if TYPE_CHECKING:
-    from eaglet.stages.evaluate.spec import Setup
+    from eaglet.stages.evaluate.spec import EvaluateSettings, Setup
 
 
 def complete(
@@ -90,7 +90,7 @@ def measure(
     serve: ServeConfig,
     export: Path,
     suites: dict[str, list[list[int]]],
-    cfg: dict,
+    cfg: EvaluateSettings,
     stop: list[int],
     startup_timeout_s: float = 900.0,
     log: Path | None = None,
@@ -101,7 +101,7 @@ def measure(
     outputs and tokens/s, and per temperature and num_steps the speculative metrics. `method`:
     the drafter's, eagle3 or dflash (vLLM's speculative method)."""
     speculative = {"eagle3": eagle3, "dflash": dflash}[method]
-    max_new, conc = cfg["max_new_tokens"], cfg["engine_concurrency"]
+    max_new, conc = cfg.max_new_tokens, cfg.engine_concurrency
     out: dict = {"engine": "vllm", "dtype": serve.dtype, "enforce_eager": serve.enforce_eager}
     out["concurrency"] = conc
     with Engine(serve, log=log, startup_timeout_s=startup_timeout_s) as engine:
@@ -113,12 +113,12 @@ def measure(
     for name, r in plain.items():
         tps = r["tokens"] / r["seconds"]
         per_suite[name] = {"greedy_tokens_per_s": round(tps, 2), "greedy_outputs": r["outputs"]}
-    for s in cfg["num_steps"]:
+    for s in cfg.num_steps:
         spec = dataclasses.replace(serve, speculative=speculative(export.resolve(), s))
         with Engine(spec, log=log, startup_timeout_s=startup_timeout_s) as engine:
             for name, prompts in suites.items():
-                for t in cfg["temperatures"]:
-                    r = run(engine, serve.served_name, prompts, max_new, stop, conc, t, cfg["seed"])
+                for t in cfg.temperatures:
+                    r = run(engine, serve.served_name, prompts, max_new, stop, conc, t, cfg.seed)
                     m = _speculative(r, plain[name] if t == 0 else None)
                     per_suite[name].setdefault(temperature_key(t), {})[f"num_steps_{s}"] = m
         startup[f"num_steps_{s}"] = engine.startup_s
@@ -141,19 +141,23 @@ def _speculative(r: dict, plain: dict | None) -> dict:
 
 
 def measure_running(
-    url: str, model: str, suites: dict[str, list[list[int]]], cfg: dict, stop: list[int]
+    url: str,
+    model: str,
+    suites: dict[str, list[list[int]]],
+    cfg: EvaluateSettings,
+    stop: list[int],
 ) -> dict:
     """Every suite on an operator's engine already serving the drafter with `num_steps` draft
     tokens, at each temperature: acceptance from its counters. No plain run, so no greedy
     reference and no speedup."""
-    (num_steps,) = cfg["num_steps"]
-    max_new, conc = cfg["max_new_tokens"], cfg["engine_concurrency"]
+    (num_steps,) = cfg.num_steps
+    max_new, conc = cfg.max_new_tokens, cfg.engine_concurrency
     per_suite: dict = {}
     with Engine(url=url) as engine:
         for name, prompts in suites.items():
             per_suite[name] = {"greedy_tokens_per_s": None, "greedy_outputs": None}
-            for t in cfg["temperatures"]:
-                r = run(engine, model, prompts, max_new, stop, conc, t, cfg["seed"])
+            for t in cfg.temperatures:
+                r = run(engine, model, prompts, max_new, stop, conc, t, cfg.seed)
                 m = r["counters"].summary()
                 if len(m["acceptance_rate"]) != num_steps:
                     raise EagletError(
@@ -182,7 +186,7 @@ def engine_metrics(
     setup: Setup,
     prompts: dict[str, list[list[int]]],
     stop: set[int],
-    cfg: dict,
+    cfg: EvaluateSettings,
     method: str = "eagle3",
 ) -> dict:
     """Every suite run by vLLM serving the target with the drafter's vLLM export (started here),
@@ -190,17 +194,17 @@ def engine_metrics(
     target = setup.target
     if setup.engine_url:  # an operator's engine, already serving this drafter
         return measure_running(setup.engine_url, target.name, prompts, cfg, sorted(stop))
-    longest = max(len(p) for ps in prompts.values() for p in ps) + cfg["max_new_tokens"]
+    longest = max(len(p) for ps in prompts.values() for p in ps) + cfg.max_new_tokens
     serve = ServeConfig.of(
         target,
         served_name=target.name,
-        dtype=cfg["dtype"],
+        dtype=cfg.dtype,
         max_model_len=max(setup.target_max_length, longest),
-        max_num_seqs=cfg["engine_concurrency"],
-        enforce_eager=cfg["engine_eager"],
-        tensor_parallel_size=cfg["engine_tensor_parallel_size"],
+        max_num_seqs=cfg.engine_concurrency,
+        enforce_eager=cfg.engine_eager,
+        tensor_parallel_size=cfg.engine_tensor_parallel_size,
         threads=setup.threads or 0,
-        extra_args=tuple(cfg["engine_extra_args"]),
+        extra_args=cfg.engine_extra_args,
     )
     export = engine_export(spec, setup)
     return measure(serve, export, prompts, cfg, sorted(stop), method=method)

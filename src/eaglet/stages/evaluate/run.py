@@ -127,14 +127,14 @@ def measure_suites(
         stop = set(stop_ids(tokenizer, target_model))
     else:
         stop = set(target_stop_ids(tokenizer, materialize(setup.target)))
-    own_split = [] if setup.suites else heldout_prompts(readers, held, cfg["prompts"])
-    modes = suites.modes(cfg.get("thinking_switch"), cfg.get("modes"))
+    own_split = [] if setup.suites else heldout_prompts(readers, held, cfg.prompts)
+    modes = suites.modes(cfg.thinking_switch, cfg.modes)
     prompts = suites.prompts(setup.suites, spec.name, readers, tokenizer, own_split, modes)
     for name, p in prompts.items():
         if not p:
             raise EagletError(f"drafters.{spec.name}: suite {name}: no prompts to decode")
     engine = (
-        engine_metrics(spec, setup, prompts, stop, cfg, method) if cfg["engine"] == "vllm" else None
+        engine_metrics(spec, setup, prompts, stop, cfg, method) if cfg.engine == "vllm" else None
     )
     target = target_model and speculative.Target(target_model, list(model.cfg.aux_layer_ids))
     sources = {s.name: s.label for s in setup.suites} or {
@@ -148,7 +148,7 @@ def measure_suites(
             temperature_key(t): decode_all(
                 target, model, p, cfg, stop, setup.quiet, ref, f"evaluate {name} t={t:g}", t
             )
-            for t in (cfg["temperatures"] if target else [])
+            for t in (cfg.temperatures if target else ())
         }
         suite, _, mode = name.partition("/")
         out[name] = {"prompts": len(p), "source": sources[suite], "eaglet": own}
@@ -187,13 +187,13 @@ def run(spec: Spec[EvaluateSpec], setup: Setup, out: Path) -> Path:
     """Measure the drafter as `spec` says; write the metrics folder `out` and its sidecar."""
     cfg, method = settings(spec, setup)
     dflash = method == "dflash"
-    if dflash and cfg["engine"] != "vllm":  # eaglet's own decoder drafts EAGLE-3 chains only
+    if dflash and cfg.engine != "vllm":  # eaglet's own decoder drafts EAGLE-3 chains only
         raise EagletError(
             f"drafters.{spec.name}.method: dflash: evaluate measures a DFlash drafter on vLLM "
             f"only; set drafters.{spec.name}.evaluate.engine: vllm"
         )
-    own_decoder = cfg["in_process"] and not dflash
-    if cfg["engine"] == "vllm" and not setup.engine_url:
+    own_decoder = cfg.in_process and not dflash
+    if cfg.engine == "vllm" and not setup.engine_url:
         engine_export(spec, setup)  # before decoding: fail fast
     readers = hidden_read.open_readers(setup.states)
     _, held = hidden_read.split(readers, spec.values.heldout_fraction)
@@ -201,7 +201,7 @@ def run(spec: Spec[EvaluateSpec], setup: Setup, out: Path) -> Path:
     if dflash:  # the engine alone measures it: no target, no offline estimate here
         target_model = lm_head = None
     elif own_decoder:
-        target_model = load_model(setup.target, setup.device, cfg["dtype"])
+        target_model = load_model(setup.target, setup.device, cfg.dtype)
         lm_head = target_model.lm_head.weight
     else:  # the engine decodes; the offline estimate needs only the lm_head
         target_model = None
@@ -214,11 +214,11 @@ def run(spec: Spec[EvaluateSpec], setup: Setup, out: Path) -> Path:
     metrics = {
         "drafter": spec.name,
         "prompts": sum(m["prompts"] for m in per_suite.values()),
-        "temperatures": cfg["temperatures"],
+        "temperatures": list(cfg.temperatures),
         "greedy_reference": "vllm" if reference else ("eaglet" if own_decoder else None),
         "in_process": own_decoder,
         "suites": per_suite,
-        "offline": {} if dflash else offline(model, readers, held, lm_head, cfg["num_steps"]),
+        "offline": {} if dflash else offline(model, readers, held, lm_head, list(cfg.num_steps)),
         "engine": engine,
         "notes": NOTES,
     }
@@ -232,8 +232,8 @@ def run(spec: Spec[EvaluateSpec], setup: Setup, out: Path) -> Path:
     with atomic_path(out, directory=True) as tmp:
         write_json(tmp / "metrics.json", metrics)
         plot(metrics, rows, tmp)
-        stats = summary(metrics, cfg["num_steps"])
+        stats = summary(metrics, list(cfg.num_steps))
         if dflash:
-            stats |= {"method": "dflash", "num_steps": cfg["num_steps"][0], "note": DFLASH_NOTE}
+            stats |= {"method": "dflash", "num_steps": cfg.num_steps[0], "note": DFLASH_NOTE}
         write_json(sidecar_of(out), {"provenance": spec.provenance(), "stats": stats})
     return out
