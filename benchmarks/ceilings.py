@@ -43,6 +43,7 @@ from eaglet.model.target import load_model, load_tokenizer, spec_of
 from eaglet.params import load
 from eaglet.stages.hidden import read as hidden_read
 from eaglet.stages.train import kernel as train_kernel
+from eaglet.stages.train.spec import TrainHyper
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -164,7 +165,7 @@ def training(args) -> dict | None:
     with tempfile.TemporaryDirectory() as tmp:
         st = train_kernel.fit(
             **a,
-            hp=hp | {"max_steps": args.train_steps},
+            hp=TrainHyper.of(hp | {"max_steps": args.train_steps}),
             out=Path(tmp) / "d",
             checkpoint_every=10**9,
             quiet=True,

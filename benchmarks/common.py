@@ -37,6 +37,7 @@ from eaglet.stages.export import kernel as export_kernel
 from eaglet.stages.hidden import kernel as hidden_kernel
 from eaglet.stages.hidden import read as hidden_read
 from eaglet.stages.train import kernel as train_kernel
+from eaglet.stages.train.spec import TrainHyper
 from eaglet.stages.vocab import kernel as vocab_kernel
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -153,7 +154,8 @@ def fit_args(params, drafter: str, readers: list) -> dict:
 def train_eaglet(a: dict, hp: dict, out: Path) -> dict:
     """eaglet's train stage on the demo's data and hyperparameters; its vLLM export."""
     t0 = time.perf_counter()
-    st = train_kernel.fit(**a, hp=hp, out=out / "trained", checkpoint_every=10**9, quiet=True)
+    hyper = TrainHyper.of(hp)
+    st = train_kernel.fit(**a, hp=hyper, out=out / "trained", checkpoint_every=10**9, quiet=True)
     seconds = time.perf_counter() - t0
     model = load_drafter(out / "trained")
     return {"seconds": seconds, "stats": st, "model": model}

@@ -39,6 +39,7 @@ from eaglet.params import load
 from eaglet.stages.evaluate import kernel as evaluate_kernel
 from eaglet.stages.hidden import read as hidden_read
 from eaglet.stages.train import kernel as train_kernel
+from eaglet.stages.train.spec import TrainHyper
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -133,7 +134,7 @@ def main() -> None:
             hp = a.pop("hp") | ({"epochs": int(epochs)} if epochs else {})
             train_refs, _ = hidden_read.split(sub, heldout_fraction)
             st = train_kernel.fit(
-                **a, hp=hp, out=Path(tmp) / run, checkpoint_every=10**9, quiet=True
+                **a, hp=TrainHyper.of(hp), out=Path(tmp) / run, checkpoint_every=10**9, quiet=True
             )
             rows.append(
                 {

@@ -16,6 +16,7 @@ CPU pressure is shown next to the numbers.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import statistics
 import tempfile
@@ -35,6 +36,7 @@ from eaglet.params import load
 from eaglet.stages.evaluate import kernel as evaluate_kernel
 from eaglet.stages.hidden import read as hidden_read
 from eaglet.stages.train import kernel as train_kernel
+from eaglet.stages.train.spec import TrainHyper
 from eaglet.stages.vocab import kernel as vocab_kernel
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -73,11 +75,8 @@ def main() -> None:
             return train_kernel.fit(
                 readers,
                 cfg,
-                embed,
-                lm_head,
-                d2t,
-                t2d,
-                hp | over,
+                {"embed": embed, "lm_head": lm_head, "d2t": d2t, "t2d": t2d},
+                TrainHyper.of(hp | over),
                 Path(tmp) / name,
                 10**9,
                 quiet=True,
@@ -104,7 +103,9 @@ def main() -> None:
     _, held = hidden_read.split(readers, d["heldout_fraction"])
     prompts = evaluate_kernel.heldout_prompts(readers, held, args.prompts)
     target = speculative.Target(target_model, list(model.cfg.aux_layer_ids))
-    decode = {"num_steps": [3, 7], "max_new_tokens": d["evaluate"]["max_new_tokens"]}
+    decode = dataclasses.replace(
+        Keys(params).spec("evaluate", args.drafter).values.settings, num_steps=(3, 7)
+    )
     real = evaluate_kernel.decode_all(target, model, prompts, decode, stop, quiet=True)
     est = evaluate_kernel.offline(model, readers, held, target_model.lm_head.weight, [3, 7])
     for n in (3, 7):

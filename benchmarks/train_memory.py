@@ -92,6 +92,7 @@ def one(setting: str, width: int, t: int, samples: int, steps: int, threads: int
 
     from eaglet.model.drafter import DrafterConfig
     from eaglet.stages.train import kernel as train_kernel
+    from eaglet.stages.train.spec import TrainHyper
 
     torch.set_num_threads(threads)
     vd, v, ttt = SETTINGS[setting]
@@ -113,13 +114,13 @@ def one(setting: str, width: int, t: int, samples: int, steps: int, threads: int
         "ttt_length": ttt, "step_weight": 0.8, "epochs": 1000, "max_steps": steps,
         "batch_size": batch, "grad_accum": 1, "lr": 1e-4, "min_lr_ratio": 0.0,
         "warmup_ratio": 0.0, "weight_decay": 0.0, "max_grad_norm": 0.5, "dtype": "float32",
-        "seed": 0, "heldout_fraction": 0.0, "max_length": t,
+        "seed": 0, "heldout_fraction": 0.0, "max_length": t, "processes": 1, "device": "cpu",
     }  # fmt: skip
     with tempfile.TemporaryDirectory() as tmp:
         base, t0 = rss_mib(), time.perf_counter()
         tensors = {"embed": embed, "lm_head": lm_head, "d2t": d2t, "t2d": t2d}
-        stats = train_kernel.fit([reader], cfg, tensors, hp, Path(tmp) / "out", 10**9,
-                          device="cpu", quiet=True)  # fmt: skip
+        stats = train_kernel.fit([reader], cfg, tensors, TrainHyper.of(hp), Path(tmp) / "out",
+                                 10**9, device="cpu", quiet=True)  # fmt: skip
         elapsed = time.perf_counter() - t0
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     return {"peak_mib": peak - base, "s": elapsed, "step_s": stats["elapsed_s"] / steps}

@@ -115,7 +115,16 @@ HP = {
     "seed": 0,
     "heldout_fraction": 0.1,
     "max_length": 512,
+    "processes": 1,
+    "device": "cpu",
 }
+
+
+def hyper(**over):
+    """The tiny runs' hyperparameters (HP), typed as the trainer reads them, with `over`."""
+    from eaglet.stages.train.spec import TrainHyper
+
+    return TrainHyper.of(HP | over)
 
 
 def fit_tiny(bundle: dict, out: Path, draft_vocab: int = 256, init=None, **hp) -> dict:
@@ -132,7 +141,7 @@ def fit_tiny(bundle: dict, out: Path, draft_vocab: int = 256, init=None, **hp) -
     d2t, t2d = vocab_kernel.select(vocab_kernel.count_tokens([reader], cfg.vocab_size), draft_vocab)
     every = hp.pop("checkpoint_every", 1000)
     tensors = {"embed": bundle["embed"], "lm_head": bundle["lm_head"], "d2t": d2t, "t2d": t2d}
-    return train_kernel.fit([reader], cfg, tensors, HP | hp, out, every, quiet=True, init=init)
+    return train_kernel.fit([reader], cfg, tensors, hyper(**hp), out, every, quiet=True, init=init)
 
 
 def bundle(n: int = 20, prompt_len: int = 8, new_tokens: int = 16) -> dict:

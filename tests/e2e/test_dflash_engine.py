@@ -80,6 +80,7 @@ def test_evaluate_measures_a_trained_dflash_export_on_stock_vllm(tmp_path):
 
     from eaglet.stages.evaluate import engine as evaluate_engine
     from eaglet.stages.evaluate import kernel as evaluate_kernel
+    from eaglet.stages.evaluate.spec import EvaluateSettings
 
     torch.manual_seed(0)
     folder = materialize(resolve("smollm2-135m-instruct"))
@@ -128,19 +129,22 @@ def test_evaluate_measures_a_trained_dflash_export_on_stock_vllm(tmp_path):
     own = 1 + sum(rounds) / len(rounds)
     per_position = [sum(n >= j for n in rounds) / len(rounds) for j in range(1, BLOCK)]
 
-    cfg = {
-        "num_steps": [1, 5],  # EAGLE-3's lists: a DFlash drafter drafts block_size - 1
-        "max_new_tokens": NEW,
-        "temperatures": [0.0],
-        "seed": 0,
-        "engine": "vllm",
-        "engine_concurrency": 1,
-        "engine_eager": True,
-        "engine_tensor_parallel_size": 1,
-        "engine_extra_args": [],
-        "dtype": "float32",
-    }
-    spec = SimpleNamespace(name="dflash", values=SimpleNamespace(evaluate=cfg))
+    cfg = EvaluateSettings(
+        num_steps=(1, 5),  # EAGLE-3's lists: a DFlash drafter drafts block_size - 1
+        prompts=len(samples),
+        temperatures=(0.0,),
+        seed=0,
+        max_new_tokens=NEW,
+        dtype="float32",
+        device="cpu",
+        engine="vllm",
+        engine_concurrency=1,
+        engine_eager=True,
+        engine_tensor_parallel_size=1,
+        engine_extra_args=(),
+        in_process=False,
+    )
+    spec = SimpleNamespace(name="dflash", values=SimpleNamespace(settings=cfg))
     setup = SimpleNamespace(
         trained=trained,
         export=out,
@@ -150,7 +154,7 @@ def test_evaluate_measures_a_trained_dflash_export_on_stock_vllm(tmp_path):
         threads=2,
     )
     cfg, method = evaluate_kernel.settings(spec, setup)
-    assert (method, cfg["num_steps"]) == ("dflash", [BLOCK - 1])
+    assert (method, cfg.num_steps) == ("dflash", (BLOCK - 1,))
     _, engine = evaluate_engine.engine_metrics(spec, setup, {"q": prompts}, {EOS}, cfg, method)
     suite = engine["q"]
     m = suite.runs[0][BLOCK - 1]

@@ -17,12 +17,30 @@ from eaglet.model.arch import FIELDS
 from eaglet.model.dflash.config import DFlashConfig
 from eaglet.model.dflash.train import Hyper, fit, init
 from eaglet.params import load
+from eaglet.stages.evaluate.spec import EvaluateSettings
 from eaglet.stages.export import dflash as export_dflash
 from eaglet.stages.hidden import read as hidden_read
 from eaglet.stages.train import dflash as train_dflash
 
 from ..conftest import tiny_params, write_params
-from ..hidden_fixture import TINY, MemoryReader, bundle
+from ..hidden_fixture import TINY, MemoryReader, bundle, hyper
+
+# drafters.<d>.evaluate as its spec resolves it (EvaluateSpec.evaluate)
+EVALUATE = {
+    "num_steps": [3],
+    "prompts": 2,
+    "temperatures": [0],
+    "seed": 0,
+    "max_new_tokens": 8,
+    "dtype": "float32",
+    "device": "cpu",
+    "engine": "vllm",
+    "engine_concurrency": 1,
+    "engine_eager": True,
+    "engine_tensor_parallel_size": 1,
+    "engine_extra_args": [],
+    "in_process": False,
+}
 
 
 def test_eagle3_keys_unchanged_and_dflash_keyed(project):
@@ -154,7 +172,8 @@ def test_the_stage_trains_on_the_stored_layers_it_names(tmp_path):
     train |= {"max_grad_norm": 1.0, "max_length": 64, "dflash": section}
     text = TINY | {"rms_norm_eps": 1e-6}  # the tiny target (LlamaConfig's default eps)
     arch = {k: text[k] for k in FIELDS if k != "rope_scaling"}
-    values = SimpleNamespace(train=train, heldout_fraction=0.25, arch=arch | {"rope_scaling": None})
+    hp = hyper(**train, heldout_fraction=0.25)
+    values = SimpleNamespace(hyper=hp, arch=arch | {"rope_scaling": None})
     d2t = torch.arange(512) * 2 - torch.arange(512)  # target ids 0, 2, 4, ...
     out = tmp_path / "trained"
     stats = train_dflash.train(
@@ -172,7 +191,7 @@ def test_the_stage_trains_on_the_stored_layers_it_names(tmp_path):
 
 def test_evaluate_sets_a_dflash_drafter_to_block_size_minus_one(tmp_path):
     """evaluate's settings for a trained DFlash folder: method dflash, num_steps block_size - 1
-    whatever evaluate.num_steps lists (an EAGLE-3 folder keeps its settings, the same dict);
+    whatever evaluate.num_steps lists (an EAGLE-3 folder keeps its settings, the same object);
     its engine-only metrics give the summary."""
     from eaglet.stages.evaluate import kernel as evaluate_kernel
 
@@ -181,10 +200,10 @@ def test_evaluate_sets_a_dflash_drafter_to_block_size_minus_one(tmp_path):
     model = init(cfg, data["embed"], data["lm_head"], None)
     trained = tmp_path / "trained"
     save_dflash(model, trained, fit(model, data["samples"], Hyper(steps=2, batch_size=3)))
-    settings = {"num_steps": [3, 7], "temperatures": [0.0]}
-    spec = SimpleNamespace(values=SimpleNamespace(evaluate=settings))
+    settings = EvaluateSettings.of(EVALUATE | {"num_steps": [3, 7], "temperatures": [0.0]})
+    spec = SimpleNamespace(values=SimpleNamespace(settings=settings))
     got, method = evaluate_kernel.settings(spec, SimpleNamespace(trained=trained))
-    assert (method, got["num_steps"], settings["num_steps"]) == ("dflash", [3], [3, 7])
+    assert (method, got.num_steps, settings.num_steps) == ("dflash", (3,), (3, 7))
     eagle = evaluate_kernel.settings(spec, SimpleNamespace(trained=tmp_path / "eagle3"))
     assert eagle[0] is settings and eagle[1] == "eagle3"
 
@@ -201,6 +220,6 @@ def test_evaluate_sets_a_dflash_drafter_to_block_size_minus_one(tmp_path):
         notes={},
         elapsed_s=1.0,
     )
-    stats = evaluate_kernel.summary(metrics, got["num_steps"])
+    stats = evaluate_kernel.summary(metrics, list(got.num_steps))
     assert stats.acceptance_length == 1.8 and stats.acceptance_length_by == "vllm"
     assert summary_json(stats)["suites"]["q"]["vllm_temperature_0"] == {"num_steps_3": 1.8}

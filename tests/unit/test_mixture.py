@@ -17,6 +17,7 @@ from eaglet.stages.train import kernel as train_kernel
 from eaglet.stages.train import mixture
 
 from ..conftest import tiny_params, write_params
+from ..hidden_fixture import hyper
 
 
 class Ids:
@@ -39,7 +40,7 @@ HP = {"heldout_fraction": 0.2, "max_length": 12, "batch_size": 2, "grad_accum": 
 
 def plan(readers, mix=None, epochs=3, rank=0, world=1, **hp) -> train_data.Steps:
     hp = HP | {"epochs": epochs} | hp | ({"mixture": mix} if mix is not None else {})
-    return train_data.plan_steps(readers, hp, run(rank, world))[0]
+    return train_data.plan_steps(readers, hyper(**hp), run(rank, world))[0]
 
 
 def old_order(train_refs: list, seed: int, epoch: int) -> list:
@@ -92,7 +93,7 @@ def test_each_epoch_follows_the_weights_exactly(weights):
             times = sorted((per[r] for r in pool), reverse=True)
             assert times == [full + 1] * rest + [full] * (len(pool) - rest)
     # what the steps trained, counted from the batches themselves
-    seen = steps.seen(steps.count(READERS, HP | {"mixture": mix}, range(steps.total)))
+    seen = steps.seen(steps.count(READERS, hyper(**HP, mixture=mix), range(steps.total)))
     assert [seen[n]["samples"] for n in mix] == [w * 3 for w in want]  # 3 epochs
     assert [seen[n]["weight"] for n in mix] == weights
 
@@ -207,11 +208,9 @@ def test_training_reports_what_each_dataset_trained(tiny2, tmp_path):
     (the train sidecar's) and `eaglet status` give each one's samples, tokens and steps."""
     from eaglet.reports.status import _details
 
-    from ..hidden_fixture import HP as TINY_HP
-
     readers, cfg, tensors = tiny2
     mix = {"code": 1, "chat": 3}  # chat (6 samples) up-weighted beyond its size
-    hp = TINY_HP | {"epochs": 2, "batch_size": 2, "ttt_length": 2, "mixture": mix}
+    hp = hyper(epochs=2, batch_size=2, ttt_length=2, mixture=mix)
     stats = train_kernel.fit(readers, cfg, tensors, hp, tmp_path / "out", quiet=True)
 
     steps = train_data.plan_steps(readers, hp, run())[0]
@@ -267,7 +266,7 @@ def test_phases_run_in_order_each_its_own_mixture():
         assert [got[0], got[2]] == hamilton([1, 2], per_epoch * steps.per_step)
         assert steps.locate(a + e * per_epoch) == (1, 1 + e, 0)
     # the sidecar's counts: per phase, and tokens cut at each phase's max_length
-    parts = steps.count(READERS, HP, range(steps.total))
+    parts = steps.count(READERS, hyper(**HP), range(steps.total))
     assert [p["steps"] for p in parts] == [b - a for a, b in ends]
     assert all(
         p["datasets"][n]["tokens"] <= p["datasets"][n]["samples"] * PHASES[k]["max_length"]
@@ -365,22 +364,19 @@ def test_training_in_phases_resumes_at_the_boundary(tiny2, tmp_path, monkeypatch
     import torch
     from safetensors.torch import load_file
 
-    from ..hidden_fixture import HP as TINY_HP
-
     readers, cfg, tensors = tiny2
     phases = [
         {"datasets": ["code"], "epochs": 1, "lr_scale": 1.0, "max_length": 10},
         {"datasets": {"code": 1, "chat": 3}, "epochs": 1, "lr_scale": 0.5, "max_length": 14},
     ]
-    hp = TINY_HP | {"batch_size": 2, "ttt_length": 2, "phases": phases}
-    del hp["epochs"]
+    hp = hyper(batch_size=2, ttt_length=2, phases=phases, epochs=None)  # the phases' epochs
     steps = train_data.plan_steps(readers, hp, run())[0]
     boundary = steps.steps_per_epoch(steps.phases[0])
     real_step, lengths, calls = train_kernel.train_step, {}, {"n": 0}
 
     def stop_at_the_boundary(t, readers, refs, hp, run, step=0):
         calls["n"] += 1
-        lengths[step] = hp["max_length"]
+        lengths[step] = hp.max_length
         if step == boundary and calls["n"] == step + 1:  # once, in the interrupted run
             raise KeyboardInterrupt
         return real_step(t, readers, refs, hp, run, step)
@@ -411,15 +407,11 @@ def test_training_in_phases_resumes_at_the_boundary(tiny2, tmp_path, monkeypatch
         for d in ("full", "cut")
     ]
     assert rows[0] == rows[1]
-    warmup = max(1, -(-hp["warmup_ratio"] * steps.total // 1))
+    warmup = max(1, -(-hp.warmup_ratio * steps.total // 1))
     for r in rows[0]:  # the one schedule, times each phase's lr_scale
         s = int(r["step"]) - 1
         scale = 1.0 if s < boundary else 0.5
-        want = (
-            hp["lr"]
-            * train_kernel.lr_factor(s, int(warmup), steps.total, hp["min_lr_ratio"])
-            * scale
-        )
+        want = hp.lr * train_kernel.lr_factor(s, int(warmup), steps.total, hp.min_lr_ratio) * scale
         assert float(r["lr"]) == pytest.approx(want, rel=1e-6)
     assert [p["steps"] for p in full["phases"]] == [boundary, steps.total - boundary]
     code0 = full["phases"][0]["datasets"]["code"]

@@ -302,54 +302,12 @@ def read_config(folder: Path) -> tuple[str, DrafterConfig]:
     except (FileNotFoundError, json.JSONDecodeError) as e:
         raise EagletError(f"{where}: unreadable: {e}") from None
     mla = c.get("architectures") in [[a] for a in MLA_ARCHITECTURES]
-    if mla and "eagle_aux_hidden_state_layer_ids" in c:  # vLLM's (its ids at the top level)
-        fmt, layer = "vllm", c
-        ids = [i - 1 for i in c["eagle_aux_hidden_state_layer_ids"]]
-        target_h = c.get("target_hidden_size") or _need(c, "hidden_size", where)
-        norms = {flag: c.get(flag) is True for flag in VLLM_MLA_NORMS}  # absent: false there
-        if c.get("norm_before_fc"):
-            raise EagletError(f"{where}: vLLM's {MLA_ARCHITECTURE} ignores norm_before_fc")
-    elif mla:
-        fmt, layer = "sglang", c
-        eagle = _need(c, "eagle_config", where)
-        ids = _need(eagle, "eagle_aux_hidden_state_layer_ids", where / "eagle_config")
-        target_h = c.get("target_hidden_size") or _need(c, "hidden_size", where)
-        norms = {}
-        unread = [f for f in NORM_FLAGS if c.get(f)]
-        if unread:
-            raise EagletError(f"{where}: SGLang's {MLA_ARCHITECTURE} ignores {', '.join(unread)}")
-    elif c.get("speculators_model_type") == "eagle3":
-        fmt, layer = "vllm", _need(c, "transformer_layer_config", where)
-        norms = {flag: _need(c, flag, where) for flag in NORM_FLAGS}
-        for flag, value in norms.items():
-            if not isinstance(value, bool):
-                raise EagletError(f"{where}: {flag} must be true or false, not {value!r}")
-        ids = [i - 1 for i in _need(c, "eagle_aux_hidden_state_layer_ids", where)]
-        target_h = c.get("target_hidden_size") or layer["hidden_size"]
-    elif c.get("architectures") == ["LlamaForCausalLMEagle3"]:
-        fmt, layer = "sglang", c
-        eagle = _need(c, "eagle_config", where)
-        ids = _need(eagle, "eagle_aux_hidden_state_layer_ids", where / "eagle_config")
-        target_h = c.get("target_hidden_size") or c["hidden_size"]
-        norms = {flag: c.get(flag) is True for flag in SGLANG_NORMS}
-        unread = [f for f in NORM_FLAGS if f not in SGLANG_NORMS and c.get(f)]
-        if unread:
-            raise EagletError(f"{where}: SGLang's EAGLE-3 drafter ignores {', '.join(unread)}")
-    else:
-        raise EagletError(f"{where}: neither an SGLang EAGLE-3 nor a speculators eagle3 config")
+    fmt, layer, ids, target_h, norms = _layout(c, mla, where)
     if _need(layer, "num_hidden_layers", where) != 1:
         raise EagletError(f"{where}: num_hidden_layers must be 1")
     if layer.get("tie_word_embeddings", False):
         raise EagletError(f"{where}: tie_word_embeddings must be false")
-    fields = (*(f for f in FIELDS if f != "rope_scaling"), "vocab_size")  # scaling: optional
-    if mla:  # no kv heads or head_dim of its own (eaglet.model.arch)
-        fields = tuple(f for f in fields if f not in ("num_key_value_heads", "head_dim"))
-    values = {f: _need(layer, f, where) for f in fields}
-    if mla:
-        sizes = {f: _need(layer, f, where) for f in MLA[1:]}
-        values |= {"attention": "mla", "q_lora_rank": layer.get("q_lora_rank"), **sizes}
-        values["num_key_value_heads"] = values["num_attention_heads"]
-        values["head_dim"] = sizes["qk_nope_head_dim"] + sizes["qk_rope_head_dim"]
+    values = _layer_fields(layer, mla, where)
     scaling = rope(layer)[1]
     cfg = DrafterConfig(
         draft_vocab_size=_need(c, "draft_vocab_size", where),
@@ -360,6 +318,59 @@ def read_config(folder: Path) -> tuple[str, DrafterConfig]:
         **norms,
     )
     return fmt, cfg
+
+
+def _layout(c: dict, mla: bool, where: Path) -> tuple[str, dict, list[int], int, dict]:
+    """Where each of the four export shapes keeps what: (format, the decoder layer's section,
+    the aux layer ids in SGLang's numbering, the target's width, the norm flags)."""
+    if mla and "eagle_aux_hidden_state_layer_ids" in c:  # vLLM's (its ids at the top level)
+        ids = [i - 1 for i in c["eagle_aux_hidden_state_layer_ids"]]
+        target_h = c.get("target_hidden_size") or _need(c, "hidden_size", where)
+        norms = {flag: c.get(flag) is True for flag in VLLM_MLA_NORMS}  # absent: false there
+        if c.get("norm_before_fc"):
+            raise EagletError(f"{where}: vLLM's {MLA_ARCHITECTURE} ignores norm_before_fc")
+        return "vllm", c, ids, target_h, norms
+    if mla:
+        eagle = _need(c, "eagle_config", where)
+        ids = _need(eagle, "eagle_aux_hidden_state_layer_ids", where / "eagle_config")
+        target_h = c.get("target_hidden_size") or _need(c, "hidden_size", where)
+        unread = [f for f in NORM_FLAGS if c.get(f)]
+        if unread:
+            raise EagletError(f"{where}: SGLang's {MLA_ARCHITECTURE} ignores {', '.join(unread)}")
+        return "sglang", c, ids, target_h, {}
+    if c.get("speculators_model_type") == "eagle3":
+        layer = _need(c, "transformer_layer_config", where)
+        norms = {flag: _need(c, flag, where) for flag in NORM_FLAGS}
+        for flag, value in norms.items():
+            if not isinstance(value, bool):
+                raise EagletError(f"{where}: {flag} must be true or false, not {value!r}")
+        ids = [i - 1 for i in _need(c, "eagle_aux_hidden_state_layer_ids", where)]
+        return "vllm", layer, ids, c.get("target_hidden_size") or layer["hidden_size"], norms
+    if c.get("architectures") == ["LlamaForCausalLMEagle3"]:
+        eagle = _need(c, "eagle_config", where)
+        ids = _need(eagle, "eagle_aux_hidden_state_layer_ids", where / "eagle_config")
+        target_h = c.get("target_hidden_size") or c["hidden_size"]
+        norms = {flag: c.get(flag) is True for flag in SGLANG_NORMS}
+        unread = [f for f in NORM_FLAGS if f not in SGLANG_NORMS and c.get(f)]
+        if unread:
+            raise EagletError(f"{where}: SGLang's EAGLE-3 drafter ignores {', '.join(unread)}")
+        return "sglang", c, ids, target_h, norms
+    raise EagletError(f"{where}: neither an SGLang EAGLE-3 nor a speculators eagle3 config")
+
+
+def _layer_fields(layer: dict, mla: bool, where: Path) -> dict:
+    """The decoder layer's DrafterConfig fields (rope_scaling aside: optional, read by `rope`);
+    an MLA layer's sizes, its kv heads and head_dim derived (eaglet.model.arch)."""
+    fields = (*(f for f in FIELDS if f != "rope_scaling"), "vocab_size")
+    if mla:  # no kv heads or head_dim of its own
+        fields = tuple(f for f in fields if f not in ("num_key_value_heads", "head_dim"))
+    values = {f: _need(layer, f, where) for f in fields}
+    if mla:
+        sizes = {f: _need(layer, f, where) for f in MLA[1:]}
+        values |= {"attention": "mla", "q_lora_rank": layer.get("q_lora_rank"), **sizes}
+        values["num_key_value_heads"] = values["num_attention_heads"]
+        values["head_dim"] = sizes["qk_nope_head_dim"] + sizes["qk_rope_head_dim"]
+    return values
 
 
 def load_export(folder: Path, embed: torch.Tensor | None = None) -> tuple[str, Drafter]:

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -165,6 +166,26 @@ def _batch(
     sampling: Sampling | None,
 ) -> list[Decoded]:
     """Decode the prompts as one batch (the module docstring says how)."""
+    rows, cache, mask = _prefill(target, prompts, drafter, sampling)
+    done: dict[int, Decoded] = {}  # the ended rows
+    live = list(range(len(rows)))  # rows still decoding, in the cache's batch order
+    while True:
+        keep = _retire(rows, live, done, max_new, stop, ended)
+        if not keep:
+            return [done[i] for i in range(len(rows))]
+        if len(keep) < len(live):
+            index = torch.tensor(keep, device=target.device)
+            cache.batch_select_indices(index)
+            mask = mask[index]
+            live = [live[j] for j in keep]
+        mask = _round(target, rows, live, cache, mask, drafter, num_steps, sampling)
+
+
+def _prefill(
+    target: Target, prompts: list[list[int]], drafter: Drafter | None, sampling: Sampling | None
+) -> tuple[list[_Row], Any, Tensor]:
+    """The prompts through the target, left-padded to one width: a row per prompt with its first
+    token (and, with a drafter, its step-0 entries), the target's cache and attention mask."""
     dev = target.device
     width = max(len(p) for p in prompts)
     pad = torch.tensor([width - len(p) for p in prompts], device=dev)
@@ -186,47 +207,68 @@ def _batch(
             ids_next = torch.tensor([[*p[1:], row.tokens[-1]]], device=dev)
             h = drafter.step(feats, ids_next, torch.arange(len(p), device=dev), row.cache)
             row.last = h[:, -1:]
-    done: dict[int, Decoded] = {}  # the ended rows
-    live = list(range(len(rows)))  # rows still decoding, in the cache's batch order
-    while True:
-        keep = []
-        for j, i in enumerate(live):
-            if not _done(rows[i].tokens, rows[i].new(), max_new, stop):
-                keep.append(j)
-                continue
-            done[i] = Decoded(_finish(rows[i].tokens, max_new, stop), rows[i].accepted)
-            if ended is not None:
-                ended(done[i])
-        if not keep:
-            return [done[i] for i in range(len(rows))]
-        if len(keep) < len(live):
-            index = torch.tensor(keep, device=dev)
-            cache.batch_select_indices(index)
-            mask = mask[index]
-            live = [live[j] for j in keep]
-        drafts = [_chain(drafter, rows[i], num_steps, dev) for i in live]
-        ids = torch.tensor(
-            [[rows[i].tokens[-1], *d] for i, d in zip(live, drafts, strict=True)], device=dev
-        )
-        span = torch.arange(num_steps + 1, device=dev)
-        pos = torch.tensor([rows[i].verified for i in live], device=dev)[:, None] + span
-        past = mask.shape[1]
-        mask = torch.cat([mask, torch.ones_like(ids, dtype=torch.bool)], dim=1)
-        logits, aux = target.forward(ids, pos, mask, cache, drafter is not None)
-        for j, (i, d) in enumerate(zip(live, drafts, strict=True)):
-            row = rows[i]
-            n, nxt = _verify(logits[j], d, sampling)
-            mask[j, past + n + 1 :] = False  # the rejected proposals' slots
-            new = [*d[:n], nxt]
-            if drafter is not None:
-                row.cache.crop(row.verified)
-                p = torch.arange(row.verified, row.verified + n + 1, device=dev)
-                feats = drafter.features(aux[j : j + 1, : n + 1].to(drafter.fc.weight.dtype))
-                h = drafter.step(feats, torch.tensor([new], device=dev), p, row.cache)
-                row.last = h[:, -1:]
-            row.accepted.append(n)
-            row.verified += n + 1
-            row.tokens += new
+    return rows, cache, mask
+
+
+def _retire(
+    rows: list[_Row],
+    live: list[int],
+    done: dict[int, Decoded],
+    max_new: int,
+    stop: set[int],
+    ended: Callable[[Decoded], None] | None,
+) -> list[int]:
+    """The live rows that have ended go to `done` (and to `ended`); the positions in `live` of
+    those still decoding."""
+    keep = []
+    for j, i in enumerate(live):
+        if not _done(rows[i].tokens, rows[i].new(), max_new, stop):
+            keep.append(j)
+            continue
+        done[i] = Decoded(_finish(rows[i].tokens, max_new, stop), rows[i].accepted)
+        if ended is not None:
+            ended(done[i])
+    return keep
+
+
+def _round(
+    target: Target,
+    rows: list[_Row],
+    live: list[int],
+    cache: Any,
+    mask: Tensor,
+    drafter: Drafter | None,
+    num_steps: int,
+    sampling: Sampling | None,
+) -> Tensor:
+    """One verification round of the live rows: each row's chain of drafts through the target
+    at once, its accepted drafts and the target's next token appended (and fed to the drafter's
+    cache); the attention mask grown by the round, its rejected slots masked."""
+    dev = target.device
+    drafts = [_chain(drafter, rows[i], num_steps, dev) for i in live]
+    ids = torch.tensor(
+        [[rows[i].tokens[-1], *d] for i, d in zip(live, drafts, strict=True)], device=dev
+    )
+    span = torch.arange(num_steps + 1, device=dev)
+    pos = torch.tensor([rows[i].verified for i in live], device=dev)[:, None] + span
+    past = mask.shape[1]
+    mask = torch.cat([mask, torch.ones_like(ids, dtype=torch.bool)], dim=1)
+    logits, aux = target.forward(ids, pos, mask, cache, drafter is not None)
+    for j, (i, d) in enumerate(zip(live, drafts, strict=True)):
+        row = rows[i]
+        n, nxt = _verify(logits[j], d, sampling)
+        mask[j, past + n + 1 :] = False  # the rejected proposals' slots
+        new = [*d[:n], nxt]
+        if drafter is not None:
+            row.cache.crop(row.verified)
+            p = torch.arange(row.verified, row.verified + n + 1, device=dev)
+            feats = drafter.features(aux[j : j + 1, : n + 1].to(drafter.fc.weight.dtype))
+            h = drafter.step(feats, torch.tensor([new], device=dev), p, row.cache)
+            row.last = h[:, -1:]
+        row.accepted.append(n)
+        row.verified += n + 1
+        row.tokens += new
+    return mask
 
 
 def _verify(logits: Tensor, drafts: list[int], sampling: Sampling | None) -> tuple[int, int]:

@@ -56,6 +56,7 @@ def test_the_stage_writes_a_dflash_drafters_engine_metrics(tmp_path, monkeypatch
     target loaded, no offline estimate, metrics.json and the sidecar say method dflash and its
     one num_steps, block_size - 1; engine: none is refused in one line."""
     import json
+    from dataclasses import replace
     from types import SimpleNamespace
 
     import pytest
@@ -63,6 +64,7 @@ def test_the_stage_writes_a_dflash_drafters_engine_metrics(tmp_path, monkeypatch
     from eaglet.errors import EagletError
     from eaglet.model.dflash.config import DFlashConfig
     from eaglet.model.dflash.train import Hyper, fit, init
+    from eaglet.stages.evaluate.spec import EvaluateSettings
 
     from ...hidden_fixture import TINY, bundle
 
@@ -82,10 +84,24 @@ def test_the_stage_writes_a_dflash_drafters_engine_metrics(tmp_path, monkeypatch
     monkeypatch.setattr(evaluate_run.hidden_read, "split", lambda readers, f: ([], []))
     monkeypatch.setattr(evaluate_run.hidden_read, "close_readers", lambda readers: None)
     monkeypatch.setattr(evaluate_run, "measure_suites", measured)
-    settings = {"num_steps": [3, 7], "temperatures": [0.0], "engine": "vllm", "in_process": True}
+    settings = EvaluateSettings(
+        num_steps=(3, 7),
+        prompts=2,
+        temperatures=(0.0,),
+        seed=0,
+        max_new_tokens=8,
+        dtype="float32",
+        device="cpu",
+        engine="vllm",
+        engine_concurrency=1,
+        engine_eager=True,
+        engine_tensor_parallel_size=1,
+        engine_extra_args=(),
+        in_process=True,
+    )
     spec = SimpleNamespace(
         name="d",
-        values=SimpleNamespace(evaluate=settings, heldout_fraction=0.1),
+        values=SimpleNamespace(settings=settings, heldout_fraction=0.1),
         provenance=lambda: {"stage": "test"},
     )
     setup = SimpleNamespace(trained=trained, states=None, engine_url="http://engine")
@@ -100,6 +116,6 @@ def test_the_stage_writes_a_dflash_drafters_engine_metrics(tmp_path, monkeypatch
     assert (typed.method, typed.greedy_reference) == ("dflash", "vllm")
     stats = json.loads(evaluate_run.sidecar_of(out).read_text())["stats"]
     assert (stats["method"], stats["num_steps"], stats["acceptance_length"]) == ("dflash", 3, 1.8)
-    settings["engine"] = "none"
+    spec.values.settings = replace(settings, engine="none")
     with pytest.raises(EagletError, match="engine: vllm"):
         evaluate_run.run(spec, setup, tmp_path / "none")

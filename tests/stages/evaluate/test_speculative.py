@@ -12,7 +12,7 @@ from eaglet.model.drafter import DrafterConfig
 from eaglet.stages.train import kernel as train_kernel
 from eaglet.stages.vocab import kernel as vocab_kernel
 
-from ...hidden_fixture import HP, MemoryReader, sgl_ids, tiny_llama
+from ...hidden_fixture import MemoryReader, hyper, sgl_ids, tiny_llama
 
 
 def test_speculative_decoding_equals_greedy(tiny_drafter, monkeypatch):
@@ -82,7 +82,7 @@ def test_vllm_serves_an_eagle31_export_as_eaglet_decodes_it(tiny_drafter, tmp_pa
     cfg = DrafterConfig.from_target(data["config"], 256, sgl_ids(8), options)
     d2t, t2d = vocab_kernel.select(vocab_kernel.count_tokens([reader], cfg.vocab_size), 256)
     tensors = {"embed": data["embed"], "lm_head": data["lm_head"], "d2t": d2t, "t2d": t2d}
-    train_kernel.fit([reader], cfg, tensors, HP, tmp_path / "trained", 1000, quiet=True)
+    train_kernel.fit([reader], cfg, tensors, hyper(), tmp_path / "trained", 1000, quiet=True)
     drafter = load_drafter(tmp_path / "trained")
     assert drafter.cfg.fc_norm and drafter.cfg.norm_output
 

@@ -24,7 +24,7 @@ from eaglet.stages.export import kernel as export_kernel
 from eaglet.stages.train import kernel as train_kernel
 from eaglet.stages.vocab import kernel as vocab_kernel
 
-from ...hidden_fixture import HP, MemoryReader
+from ...hidden_fixture import MemoryReader, hyper
 from ...kimi_fixture import TEXT
 from ...unit.test_drafter import eagle31
 from ...unit.test_mla import AUX, DRAFT_VOCAB, MLA_SIZES, mla_config
@@ -69,7 +69,7 @@ def trained_mla(tmp_path_factory):
     embed = target.model.embed_tokens.weight.clone()
     tensors = {"embed": embed, "lm_head": lm_head, "d2t": d2t, "t2d": t2d}
     out = tmp_path_factory.mktemp("mla") / "trained"
-    hp = HP | {"epochs": 10, "batch_size": 2, "heldout_fraction": 0.2}
+    hp = hyper(epochs=10, batch_size=2, heldout_fraction=0.2)
     stats = train_kernel.fit([reader], mla_config(), tensors, hp, out, quiet=True)
     with open(out / "metrics.csv") as f:
         rows = list(csv.DictReader(f))

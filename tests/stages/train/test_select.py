@@ -13,7 +13,7 @@ from eaglet.stages.evaluate import kernel as evaluate_kernel
 from eaglet.stages.hidden import read as hidden_read
 from eaglet.stages.train import kernel as train_kernel
 
-from ...hidden_fixture import HP, MemoryReader, bundle, fit_tiny
+from ...hidden_fixture import HP, MemoryReader, bundle, fit_tiny, hyper
 from ...unit.test_select import SELECT
 
 
@@ -60,7 +60,7 @@ def test_the_chain_estimates_equal_the_full_vocab_oracle(data, tmp_path):
     reader, train_refs, held = split(data)
     run = ttt.Run("float32", "cpu")
     head = TargetHead(data["lm_head"], model.t2d)
-    hp = HP | {"select": SELECT}
+    hp = hyper(select=SELECT)
     for refs in (train_refs, held):
         oracle = full_vocab_chain(model, reader, refs, data["lm_head"], 3)
         mine = train_kernel.offline_acceptance(model, [reader], refs, hp, head, run)

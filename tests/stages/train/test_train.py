@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -15,7 +16,7 @@ import torch
 from safetensors.torch import load_file
 
 from ...conftest import ROOT
-from ...hidden_fixture import bundle
+from ...hidden_fixture import bundle, hyper
 
 SCRIPT = ROOT / "tests" / "train_tiny.py"
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT / "src")}
@@ -144,9 +145,9 @@ def test_overlong_samples_are_cut_or_skipped_and_counted():
 
     readers = [Lengths(10, 50), Lengths(33, 32)]
     refs = [(0, "s0"), (0, "s1"), (1, "s0"), (1, "s1")]
-    kept, cut = train_data.overlong(readers, refs, {"max_length": 32})
+    kept, cut = train_data.overlong(readers, refs, 32, "truncate")
     assert kept == refs and cut == {"policy": "truncate", "samples": 2, "tokens_lost": 18 + 1}
-    kept, skipped = train_data.overlong(readers, refs, {"max_length": 32, "overlong": "skip"})
+    kept, skipped = train_data.overlong(readers, refs, 32, "skip")
     assert kept == [(0, "s0"), (1, "s1")]
     assert skipped == {"policy": "skip", "samples": 2, "tokens_lost": 50 + 33}
 
@@ -165,11 +166,11 @@ def test_a_sample_that_would_not_fit_the_gpu_is_one_error_before_training():
         intermediate_size=128, num_attention_heads=2, num_key_value_heads=2, head_dim=32,
         rms_norm_eps=1e-5, rope_theta=1e4, max_position_embeddings=8192, aux_layer_ids=(1, 2, 3),
     )  # fmt: skip
-    hp = {"ttt_length": 3, "batch_size": 2, "dtype": "bfloat16", "max_length": 6000}
+    hp = hyper(ttt_length=3, batch_size=2, dtype="bfloat16", max_length=6000)
     shape = train_memory.Shape.of(cfg.to_dict(), 64, 1000, 100, 3)
     memory = int(train_memory.estimate(shape, 2 * 4000, "bfloat16")["peak"])  # 4,000 tokens fit
     readers, names = [Lengths(100, 3000), Lengths(5000, 200)], ["short", "long"]
     with pytest.raises(EagletError, match=r"dataset long: a sample of 5,000 tokens \(batch 2\)"):
         train_run.check_fits(readers, names, cfg, hp, memory)
-    train_run.check_fits(readers, names, cfg, hp | {"max_length": 4000}, memory)  # cut: fits
-    train_run.check_fits(readers, names, cfg, hp | {"max_length": 4000, "overlong": "skip"}, memory)
+    train_run.check_fits(readers, names, cfg, replace(hp, max_length=4000), memory)  # cut: fits
+    train_run.check_fits(readers, names, cfg, replace(hp, max_length=4000, overlong="skip"), memory)

@@ -29,7 +29,7 @@ from eaglet.graph.keys import Spec
 from eaglet.model.speculative import against_greedy
 
 if TYPE_CHECKING:
-    from eaglet.stages.evaluate.spec import Setup
+    from eaglet.stages.evaluate.spec import EvaluateSettings, Setup
 
 
 def complete(
@@ -100,7 +100,7 @@ def measure(
     serve: ServeConfig,
     export: Path,
     suites: dict[str, list[list[int]]],
-    cfg: dict,
+    cfg: EvaluateSettings,
     stop: list[int],
     startup_timeout_s: float = 900.0,
     log: Path | None = None,
@@ -111,19 +111,19 @@ def measure(
     outputs and tokens/s, and per temperature and num_steps the speculative run. `method`:
     the drafter's, eagle3 or dflash (vLLM's speculative method)."""
     speculative = {"eagle3": eagle3, "dflash": dflash}[method]
-    max_new, conc = cfg["max_new_tokens"], cfg["engine_concurrency"]
+    max_new, conc = cfg.max_new_tokens, cfg.engine_concurrency
     with Engine(serve, log=log, startup_timeout_s=startup_timeout_s) as engine:
         plain = {
             n: run(engine, serve.served_name, p, max_new, stop, conc) for n, p in suites.items()
         }
     plain_startup, startup = engine.startup_s, {}
     runs: dict[str, Runs] = {name: {} for name in suites}
-    for s in cfg["num_steps"]:
+    for s in cfg.num_steps:
         spec = dataclasses.replace(serve, speculative=speculative(export.resolve(), s))
         with Engine(spec, log=log, startup_timeout_s=startup_timeout_s) as engine:
             for name, prompts in suites.items():
-                for t in cfg["temperatures"]:
-                    r = run(engine, serve.served_name, prompts, max_new, stop, conc, t, cfg["seed"])
+                for t in cfg.temperatures:
+                    r = run(engine, serve.served_name, prompts, max_new, stop, conc, t, cfg.seed)
                     m = _speculative(r, plain[name] if t == 0 else None)
                     runs[name].setdefault(t, {})[s] = run_of(m, f"vLLM's run at num_steps {s}")
         startup[s] = engine.startup_s
@@ -151,19 +151,19 @@ def _speculative(r: dict, plain: dict | None) -> dict:
 
 
 def measure_running(
-    url: str, model: str, suites: dict[str, list[list[int]]], cfg: dict, stop: list[int]
+    url: str, model: str, suites: dict[str, list[list[int]]], cfg: EvaluateSettings, stop: list[int]
 ) -> tuple[EngineInfo, dict[str, EngineSuite]]:
     """Every suite on an operator's engine already serving the drafter with `num_steps` draft
     tokens, at each temperature: acceptance from its counters. No plain run, so no greedy
     reference and no speedup."""
-    (num_steps,) = cfg["num_steps"]
-    max_new, conc = cfg["max_new_tokens"], cfg["engine_concurrency"]
+    (num_steps,) = cfg.num_steps
+    max_new, conc = cfg.max_new_tokens, cfg.engine_concurrency
     per_suite = {}
     with Engine(url=url) as engine:
         for name, prompts in suites.items():
             runs: Runs = {}
-            for t in cfg["temperatures"]:
-                r = run(engine, model, prompts, max_new, stop, conc, t, cfg["seed"])
+            for t in cfg.temperatures:
+                r = run(engine, model, prompts, max_new, stop, conc, t, cfg.seed)
                 m = r["counters"].summary()
                 if len(m["acceptance_rate"]) != num_steps:
                     raise EagletError(
@@ -193,7 +193,7 @@ def engine_metrics(
     setup: Setup,
     prompts: dict[str, list[list[int]]],
     stop: set[int],
-    cfg: dict,
+    cfg: EvaluateSettings,
     method: str = "eagle3",
 ) -> tuple[EngineInfo, dict[str, EngineSuite]]:
     """Every suite run by vLLM serving the target with the drafter's vLLM export (started here),
@@ -201,17 +201,17 @@ def engine_metrics(
     target = setup.target
     if setup.engine_url:  # an operator's engine, already serving this drafter
         return measure_running(setup.engine_url, target.name, prompts, cfg, sorted(stop))
-    longest = max(len(p) for ps in prompts.values() for p in ps) + cfg["max_new_tokens"]
+    longest = max(len(p) for ps in prompts.values() for p in ps) + cfg.max_new_tokens
     serve = ServeConfig.of(
         target,
         served_name=target.name,
-        dtype=cfg["dtype"],
+        dtype=cfg.dtype,
         max_model_len=max(setup.target_max_length, longest),
-        max_num_seqs=cfg["engine_concurrency"],
-        enforce_eager=cfg["engine_eager"],
-        tensor_parallel_size=cfg["engine_tensor_parallel_size"],
+        max_num_seqs=cfg.engine_concurrency,
+        enforce_eager=cfg.engine_eager,
+        tensor_parallel_size=cfg.engine_tensor_parallel_size,
         threads=setup.threads or 0,
-        extra_args=tuple(cfg["engine_extra_args"]),
+        extra_args=cfg.engine_extra_args,
     )
     export = engine_export(spec, setup)
     return measure(serve, export, prompts, cfg, sorted(stop), method=method)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import itertools
 import time
+from dataclasses import replace
 from typing import TYPE_CHECKING
 
 import torch
@@ -26,7 +27,7 @@ from eaglet.model.target_head import TargetHead
 from eaglet.progress import Progress
 
 if TYPE_CHECKING:
-    from eaglet.stages.evaluate.spec import Setup
+    from eaglet.stages.evaluate.spec import EvaluateSettings, Setup
 
 
 def prompt_of(sample: dict) -> list[int] | None:
@@ -74,7 +75,7 @@ def decode_all(
     target,
     model,
     prompts,
-    cfg: dict,
+    cfg: EvaluateSettings,
     stop: set[int],
     quiet: bool,
     reference: list[list[int]] | None = None,
@@ -84,7 +85,7 @@ def decode_all(
     """Speculative decoding of every prompt for each num_steps. Greedy (temperature 0): each
     output checked against plain greedy decoding, `reference` (the engine's greedy outputs, when
     it ran) or eaglet's own. Sampled: speculative sampling seeded by `seed` + num_steps."""
-    steps, max_new = cfg["num_steps"], cfg["max_new_tokens"]
+    steps, max_new = list(cfg.num_steps), cfg.max_new_tokens
     sampled = temperature > 0
     own_greedy = reference is None and not sampled
     runs_per_prompt = int(own_greedy) + len(steps)
@@ -97,7 +98,7 @@ def decode_all(
     for s in ([0] if own_greedy else []) + steps:  # 0: plain greedy
         sampling = None
         if sampled:
-            g = torch.Generator().manual_seed(cfg["seed"] + s)
+            g = torch.Generator().manual_seed(cfg.seed + s)
             sampling = speculative.Sampling(temperature, g)
         t0 = time.perf_counter()
         runs[s] = speculative.decode(
@@ -123,17 +124,17 @@ def decode_all(
     return out
 
 
-def settings(spec: Spec, setup: Setup) -> tuple[dict, str]:
+def settings(spec: Spec, setup: Setup) -> tuple[EvaluateSettings, str]:
     """evaluate's settings and the drafter's method (vLLM's name: eagle3 or dflash). A DFlash
     drafter drafts block_size - 1 tokens a round: that is its one num_steps, whatever
     evaluate.num_steps lists."""
     from eaglet.formats.io import read_json
 
-    cfg = spec.values.evaluate
+    cfg = spec.values.settings
     if not is_dflash(setup.trained):
         return cfg, "eagle3"
     block = read_json(setup.trained / DFLASH_CONFIG)["block_size"]
-    return dict(cfg, num_steps=[block - 1]), "dflash"
+    return replace(cfg, num_steps=(block - 1,)), "dflash"
 
 
 NOTES = {

@@ -132,15 +132,15 @@ def measure_suites(
         stop = set(stop_ids(tokenizer, target_model))
     else:
         stop = set(target_stop_ids(tokenizer, materialize(setup.target)))
-    own_split = [] if setup.suites else heldout_prompts(readers, held, cfg["prompts"])
-    modes = suites.modes(cfg.get("thinking_switch"), cfg.get("modes"))
+    own_split = [] if setup.suites else heldout_prompts(readers, held, cfg.prompts)
+    modes = suites.modes(cfg.thinking_switch, cfg.modes)
     prompts = suites.prompts(setup.suites, spec.name, readers, tokenizer, own_split, modes)
     for name, p in prompts.items():
         if not p:
             raise EagletError(f"drafters.{spec.name}: suite {name}: no prompts to decode")
     info, engine = (
         engine_metrics(spec, setup, prompts, stop, cfg, method)
-        if cfg["engine"] == "vllm"
+        if cfg.engine == "vllm"
         else (None, {})
     )
     target = target_model and speculative.Target(target_model, list(model.cfg.aux_layer_ids))
@@ -155,7 +155,7 @@ def measure_suites(
             t: decode_all(
                 target, model, p, cfg, stop, setup.quiet, ref, f"evaluate {name} t={t:g}", t
             )
-            for t in (cfg["temperatures"] if target else [])
+            for t in (cfg.temperatures if target else ())
         }
         suite, _, mode = name.partition("/")
         agreed = agreement(own[0], e.runs[0]) if e and 0 in e.runs and own and ref else None
@@ -196,13 +196,13 @@ def run(spec: Spec[EvaluateSpec], setup: Setup, out: Path) -> Path:
     """Measure the drafter as `spec` says; write the metrics folder `out` and its sidecar."""
     cfg, method = settings(spec, setup)
     dflash = method == "dflash"
-    if dflash and cfg["engine"] != "vllm":  # eaglet's own decoder drafts EAGLE-3 chains only
+    if dflash and cfg.engine != "vllm":  # eaglet's own decoder drafts EAGLE-3 chains only
         raise EagletError(
             f"drafters.{spec.name}.method: dflash: evaluate measures a DFlash drafter on vLLM "
             f"only; set drafters.{spec.name}.evaluate.engine: vllm"
         )
-    own_decoder = cfg["in_process"] and not dflash
-    if cfg["engine"] == "vllm" and not setup.engine_url:
+    own_decoder = cfg.in_process and not dflash
+    if cfg.engine == "vllm" and not setup.engine_url:
         engine_export(spec, setup)  # before decoding: fail fast
     readers = hidden_read.open_readers(setup.states)
     _, held = hidden_read.split(readers, spec.values.heldout_fraction)
@@ -210,7 +210,7 @@ def run(spec: Spec[EvaluateSpec], setup: Setup, out: Path) -> Path:
     if dflash:  # the engine alone measures it: no target, no offline estimate here
         target_model = lm_head = None
     elif own_decoder:
-        target_model = load_model(setup.target, setup.device, cfg["dtype"])
+        target_model = load_model(setup.target, setup.device, cfg.dtype)
         lm_head = target_model.lm_head.weight
     else:  # the engine decodes; the offline estimate needs only the lm_head
         target_model = None
@@ -220,12 +220,12 @@ def run(spec: Spec[EvaluateSpec], setup: Setup, out: Path) -> Path:
     t0 = time.monotonic()
     per_suite, engine = measure_suites(spec, setup, model, target_model, readers, held)
     reference = engine is not None and not engine.operator
-    estimate = {} if dflash else offline(model, readers, held, lm_head, cfg["num_steps"])
+    estimate = {} if dflash else offline(model, readers, held, lm_head, list(cfg.num_steps))
     hidden_read.close_readers(readers)  # an online reader's engine
     metrics = Metrics(
         drafter=spec.name,
         prompts=sum(m.prompts for m in per_suite.values()),
-        temperatures=tuple(cfg["temperatures"]),
+        temperatures=tuple(cfg.temperatures),
         greedy_reference="vllm" if reference else ("eaglet" if own_decoder else None),
         in_process=own_decoder,
         suites=per_suite,
@@ -241,8 +241,8 @@ def run(spec: Spec[EvaluateSpec], setup: Setup, out: Path) -> Path:
     with atomic_path(out, directory=True) as tmp:
         write_metrics(tmp / "metrics.json", metrics)
         plot(metrics, rows, tmp)
-        stats = summary(metrics, cfg["num_steps"])
+        stats = summary(metrics, list(cfg.num_steps))
         if dflash:
-            stats = stats.dflash(cfg["num_steps"][0], DFLASH_NOTE)
+            stats = stats.dflash(cfg.num_steps[0], DFLASH_NOTE)
         write_json(sidecar_of(out), {"provenance": spec.provenance(), "stats": summary_json(stats)})
     return out

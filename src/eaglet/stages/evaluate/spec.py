@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -20,12 +21,58 @@ if TYPE_CHECKING:
 
 
 @dataclass(frozen=True)
+class SuiteDigest:
+    """An evaluation suite as the key holds it: its file's bytes, not where it lies."""
+
+    sha256: str
+    format: str
+    prompts: int  # how many of its prompts are decoded
+
+
+@dataclass(frozen=True)
+class EvaluateSettings:
+    """drafters.<d>.evaluate resolved (`EvaluateSpec.evaluate`), typed: what the run reads. A
+    field the dict leaves out is None."""
+
+    num_steps: tuple[int, ...]
+    prompts: int
+    temperatures: tuple[float, ...]
+    seed: int
+    max_new_tokens: int
+    dtype: str
+    device: str  # the resolved device type
+    engine: str  # none or vllm
+    engine_concurrency: int
+    engine_eager: bool
+    engine_tensor_parallel_size: int
+    engine_extra_args: tuple[str, ...]
+    in_process: bool  # resolved: eaglet's own decoder loads the target here
+    suites: dict[str, SuiteDigest] | None = None  # None: the drafter's own held-out split
+    modes: tuple[str, ...] | None = None
+    thinking_switch: str | None = None  # the template argument the modes set
+    engine_operator: bool | None = None  # True: an operator's engine (engine_url) serves it
+
+    @classmethod
+    def of(cls, evaluate: dict) -> EvaluateSettings:
+        typed = {k: tuple(v) if isinstance(v, list) else v for k, v in evaluate.items()}
+        if "suites" in typed:
+            typed["suites"] = {n: SuiteDigest(**s) for n, s in typed["suites"].items()}
+        return cls(**typed)
+
+
+@dataclass(frozen=True)
 class EvaluateSpec:
     """What the metrics depend on (and the drafter, its export and the states upstream)."""
 
-    evaluate: dict  # drafters.<d>.evaluate resolved: device type, in_process, suites' digests
+    # drafters.<d>.evaluate resolved: device type, in_process, suites' digests; the key hashes
+    # this dict as it is, the run reads it typed (`settings`)
+    evaluate: dict
     heldout_fraction: float
     target: dict
+
+    @cached_property
+    def settings(self) -> EvaluateSettings:
+        return EvaluateSettings.of(self.evaluate)
 
 
 def spec_of(keys: Keys, drafter: str) -> tuple[EvaluateSpec, dict]:

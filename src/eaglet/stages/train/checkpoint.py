@@ -21,6 +21,7 @@ if TYPE_CHECKING:
     from eaglet.model.drafter import Drafter
     from eaglet.model.target_head import TargetHead
     from eaglet.stages.train.data import Steps
+    from eaglet.stages.train.spec import TrainHyper
 
 
 @dataclass
@@ -42,7 +43,7 @@ class Trainer:
         return [p for p in self.model.parameters() if p.requires_grad]
 
 
-def resume(ckpt: Path, t: Trainer, hp: dict, run: ttt.Run) -> int:
+def resume(ckpt: Path, t: Trainer, hp: TrainHyper, run: ttt.Run) -> int:
     """Restore `t` and the RNGs from the checkpoint if there is one: the step to start at."""
     if not ckpt.exists():
         return 0
@@ -52,7 +53,7 @@ def resume(ckpt: Path, t: Trainer, hp: dict, run: ttt.Run) -> int:
         raise EagletError(
             f"{ckpt}: unreadable checkpoint ({type(e).__name__}); delete it to train from the start"
         ) from None
-    if state["hp"] != hp or state["world"] != run.world:
+    if state["hp"] != hp.as_dict() or state["world"] != run.world:
         raise EagletError(f"{ckpt}: checkpoint of a different run (params or processes)")
     t.model.load_state_dict(state["model"])
     t.opt.load_state_dict(state["optimizer"])
@@ -64,14 +65,14 @@ def resume(ckpt: Path, t: Trainer, hp: dict, run: ttt.Run) -> int:
 
 
 def save_checkpoint(
-    ckpt: Path, t: Trainer, step: int, steps: Steps, hp: dict, seen: dict | None = None
+    ckpt: Path, t: Trainer, step: int, steps: Steps, hp: TrainHyper, seen: dict | None = None
 ) -> None:
     """Everything a rerun needs to continue at `step` (rank 0 writes it, atomically); `seen`,
     what each dataset trained so far, goes beside it for `eaglet status`."""
     if steps.run.rank != 0:
         return
     state = {
-        "hp": hp,
+        "hp": hp.as_dict(),  # plain data: a checkpoint loads without this module's classes
         "world": steps.run.world,
         "step": step,
         "data_position": dict(zip(("phase", "epoch", "batch"), steps.locate(step), strict=True)),

@@ -13,12 +13,13 @@ from eaglet.errors import EagletError
 from eaglet.model import ttt
 from eaglet.stages.hidden import read as hidden_read
 from eaglet.stages.train import mixture
+from eaglet.stages.train.spec import TrainHyper, TrainPhase
 
 
-def overlong(readers: list, refs: list, hp: dict) -> tuple[list, dict]:
-    """The samples of `refs` longer than max_length are cut there (train.overlong: truncate)
-    or left out (skip): the refs trained, and how many samples and tokens that cost."""
-    cap, policy = hp["max_length"], hp.get("overlong", "truncate")
+def overlong(readers: list, refs: list, cap: int, policy: str) -> tuple[list, dict]:
+    """The samples of `refs` longer than `cap` (max_length) are cut there (`policy`, as
+    train.overlong: truncate) or left out (skip): the refs trained, and how many samples and
+    tokens that cost."""
     tokens = {
         (i, s["id"]): s["tokens"] for i, r in enumerate(readers) for s in r.manifest["samples"]
     }
@@ -128,7 +129,7 @@ class Steps:
         if self.run.rank == 0:
             yield from self.held
 
-    def count(self, readers: list, hp: dict, steps, parts: list | None = None) -> list[dict]:
+    def count(self, readers: list, hp: TrainHyper, steps, parts: list | None = None) -> list[dict]:
         """Add what `steps` (step numbers) trained to `parts` (new when None): per phase (one
         without train.phases) its steps, and per dataset its samples (repeats counted), tokens
         (each cut at the phase's max_length) and the steps it had a sample in; its weight, if
@@ -152,7 +153,7 @@ class Steps:
             }
         for step in steps:
             p = self.locate(step)[0]
-            cap = self.stretches[p].max_length if self.phases is not None else hp["max_length"]
+            cap = self.stretches[p].max_length if self.phases is not None else hp.max_length
             parts[p]["steps"] += 1
             mixture.tally([self.batch(step)], names, self._tokens, cap, parts[p]["datasets"])
         return parts
@@ -167,83 +168,95 @@ class Steps:
         }
 
 
-def dataset_names(readers: list, hp: dict) -> list[str]:
+def dataset_names(readers: list, hp: TrainHyper) -> list[str]:
     """The readers' dataset names: the weighted `datasets`' own, else the readers' manifests'."""
-    if "mixture" in hp:
-        return list(hp["mixture"])
+    if hp.mixture is not None:
+        return list(hp.mixture)
     return [r.manifest.get("dataset") or f"dataset{i}" for i, r in enumerate(readers)]
 
 
-def plan_steps(readers: list, hp: dict, run: ttt.Run) -> tuple[Steps, dict]:
+def plan_steps(readers: list, hp: TrainHyper, run: ttt.Run) -> tuple[Steps, dict]:
     """The run's steps over the train/held-out split, and what overlong samples cost."""
-    split_train, held_refs = hidden_read.split(readers, hp["heldout_fraction"])
-    train_refs, long_train = overlong(readers, split_train, hp)
-    held_refs, long_held = overlong(readers, held_refs, hp)
+    split_train, held_refs = hidden_read.split(readers, hp.heldout_fraction)
+    train_refs, long_train = overlong(readers, split_train, hp.max_length, hp.policy)
+    held_refs, long_held = overlong(readers, held_refs, hp.max_length, hp.policy)
     if long_train["samples"] + long_held["samples"] and run.rank == 0:
         print(
             f"train: {long_train['samples'] + long_held['samples']} samples longer than "
-            f"max_length {hp['max_length']:,}: {long_train['policy']} "
+            f"max_length {hp.max_length:,}: {long_train['policy']} "
             f"({long_train['tokens_lost'] + long_held['tokens_lost']:,} tokens not trained)",
             file=sys.stderr,
         )
-    per_step = hp["batch_size"] * hp["grad_accum"] * run.world
+    per_step = hp.batch_size * hp.grad_accum * run.world
     long = {"train": long_train, "heldout": long_held}
-    if "phases" in hp:
+    if hp.phases is not None:
         phases, long["phases"] = plan_phases(readers, split_train, hp, per_step)
-        total = sum(len(ph.train) // per_step * ph.epochs for ph in phases)
-        if hp.get("max_steps"):
-            total = min(total, hp["max_steps"])
+        total = capped(sum(len(ph.train) // per_step * ph.epochs for ph in phases), hp)
         used = {r for ph in phases for r in ph.train}
         train_refs = [r for r in split_train if r in used]
-        steps = Steps(train_refs, held_refs, per_step, total, hp["seed"], run, None, phases)
+        steps = Steps(train_refs, held_refs, per_step, total, hp.seed, run, None, phases)
         return steps, long
     if len(train_refs) < per_step:
         raise EagletError(
             f"{len(train_refs)} training samples, fewer than one global batch ({per_step})"
         )
     weights = None
-    if "mixture" in hp:  # datasets: {name: weight}
-        names, weights = list(hp["mixture"]), list(hp["mixture"].values())
+    if hp.mixture is not None:  # datasets: {name: weight}
+        names, weights = list(hp.mixture), list(hp.mixture.values())
         if len(weights) != len(readers):
             raise EagletError(f"train: {len(readers)} readers for the datasets {names}")
         if (name := mixture.empty(names, weights, train_refs)) is not None:
             raise EagletError(
-                f"datasets.{name}: weight {hp['mixture'][name]} but no training sample (all "
+                f"datasets.{name}: weight {hp.mixture[name]} but no training sample (all "
                 "held out or skipped as overlong): give it weight 0 or more samples"
             )
-    total = len(train_refs) // per_step * hp["epochs"]
-    if hp.get("max_steps"):
-        total = min(total, hp["max_steps"])
-    steps = Steps(train_refs, held_refs, per_step, total, hp["seed"], run, weights)
+    total = capped(len(train_refs) // per_step * hp.epochs, hp)
+    steps = Steps(train_refs, held_refs, per_step, total, hp.seed, run, weights)
     return steps, long
 
 
-def plan_phases(readers: list, split_train: list, hp: dict, per_step: int) -> tuple[list, list]:
+def capped(total: int, hp: TrainHyper) -> int:
+    """The run's optimizer steps: `total`, at most train.max_steps."""
+    return min(total, hp.max_steps) if hp.max_steps else total
+
+
+def plan_phases(
+    readers: list, split_train: list, hp: TrainHyper, per_step: int
+) -> tuple[list[Phase], list]:
     """train.phases as Phases over the training split: each its datasets' samples (cut or
     skipped at its max_length), and what its overlong samples cost."""
     names = dataset_names(readers, hp)
     phases, long = [], []
-    for k, ph in enumerate(hp["phases"]):
-        where, wanted = f"train.phases.{k}.datasets", ph["datasets"]
-        for name in wanted:
-            if name not in names:
-                raise EagletError(
-                    f"{where}.{name}: the drafter does not read dataset '{name}' "
-                    f"(it reads {', '.join(names)})"
-                )
-        read = {names.index(n) for n in wanted}
-        refs, cut = overlong(readers, [r for r in split_train if r[0] in read], hp | ph)
+    for k, ph in enumerate(hp.phases):
+        phase, cut = plan_phase(readers, split_train, names, ph, hp.policy, f"train.phases.{k}")
+        if len(phase.train) < per_step:
+            raise EagletError(
+                f"train.phases.{k}: {len(phase.train)} training samples, fewer than one global "
+                f"batch ({per_step})"
+            )
+        phases.append(phase)
         long.append(cut)
-        weights = [wanted.get(n, 0) for n in names] if isinstance(wanted, dict) else None
-        if weights is not None and (name := mixture.empty(names, weights, refs)) is not None:
-            raise EagletError(
-                f"{where}.{name}: weight {wanted[name]} but no training sample (all held out or "
-                "skipped as overlong): give it weight 0 or more samples"
-            )
-        if len(refs) < per_step:
-            raise EagletError(
-                f"train.phases.{k}: {len(refs)} training samples, fewer than one global batch "
-                f"({per_step})"
-            )
-        phases.append(Phase(refs, weights, ph["epochs"], ph["max_length"], ph["lr_scale"]))
     return phases, long
+
+
+def plan_phase(
+    readers: list, split_train: list, names: list[str], ph: TrainPhase, policy: str, where: str
+) -> tuple[Phase, dict]:
+    """One phase over the training split (its datasets' samples, cut or skipped at its
+    max_length) and what its overlong samples cost; `where` names it in errors."""
+    wanted = ph.datasets
+    for name in wanted:
+        if name not in names:
+            raise EagletError(
+                f"{where}.datasets.{name}: the drafter does not read dataset '{name}' "
+                f"(it reads {', '.join(names)})"
+            )
+    read = {names.index(n) for n in wanted}
+    refs, cut = overlong(readers, [r for r in split_train if r[0] in read], ph.max_length, policy)
+    weights = [wanted.get(n, 0) for n in names] if isinstance(wanted, dict) else None
+    if weights is not None and (name := mixture.empty(names, weights, refs)) is not None:
+        raise EagletError(
+            f"{where}.datasets.{name}: weight {wanted[name]} but no training sample (all held "
+            "out or skipped as overlong): give it weight 0 or more samples"
+        )
+    return Phase(refs, weights, ph.epochs, ph.max_length, ph.lr_scale), cut

@@ -18,6 +18,7 @@ from eaglet.model import arch
 from eaglet.model.dflash.config import DFlashConfig
 from eaglet.model.dflash.train import Hyper, fit, init
 from eaglet.stages.hidden import read as hidden_read
+from eaglet.stages.train.spec import TrainHyper, TrainSpec
 
 
 def samples(readers: list, refs: list, layers: list[int], max_length: int) -> list[dict]:
@@ -47,20 +48,20 @@ def check_mask_token(data: list[dict], mask: int, where: str) -> None:
             )
 
 
-def hyper(train: dict, section: dict, n: int) -> Hyper:
-    per_epoch = math.ceil(n / train["batch_size"])
-    steps = train["epochs"] * per_epoch
-    if train.get("max_steps"):
-        steps = min(steps, train["max_steps"])
+def hyper(hp: TrainHyper, n: int) -> Hyper:
+    """The DFlash trainer's hyperparameters for `n` samples."""
+    steps = hp.epochs * math.ceil(n / hp.batch_size)
+    if hp.max_steps:
+        steps = min(steps, hp.max_steps)
     return Hyper(
         steps=steps,
-        lr=train["lr"],
-        warmup=max(1, round(train["warmup_ratio"] * steps)),
-        batch_size=train["batch_size"],
-        anchors=section["anchors"],
-        gamma=section["gamma"],
-        grad_clip=train["max_grad_norm"],
-        seed=train["seed"],
+        lr=hp.lr,
+        warmup=max(1, round(hp.warmup_ratio * steps)),
+        batch_size=hp.batch_size,
+        anchors=hp.dflash.anchors,
+        gamma=hp.dflash.gamma,
+        grad_clip=hp.max_grad_norm,
+        seed=hp.seed,
     )
 
 
@@ -74,32 +75,33 @@ def run(spec, setup, out: Path, embed, lm_head, d2t) -> dict:
         hidden_read.close_readers(readers)
 
 
-def train(readers: list, v, where: str, out: Path, embed, lm_head, d2t) -> dict:
+def train(readers: list, v: TrainSpec, where: str, out: Path, embed, lm_head, d2t) -> dict:
     """`v`: the train spec's values (train settings with the resolved dflash section, the
     held-out fraction, the resolved layer sizes in arch)."""
-    section = v.train["dflash"]
-    torch.manual_seed(v.train["seed"])
+    hp = v.hyper
+    section = hp.dflash
+    torch.manual_seed(hp.seed)
     manifest = readers[0].manifest
     stored = list(manifest["aux_layer_ids"]["sglang"])
-    layers = [stored.index(i) for i in section["target_layer_ids"]]
-    train_refs, _ = hidden_read.split(readers, v.heldout_fraction)
-    data = samples(readers, train_refs, layers, v.train["max_length"])
-    check_mask_token(data, section["mask_token_id"], where)
+    layers = [stored.index(i) for i in section.target_layer_ids]
+    train_refs, _ = hidden_read.split(readers, hp.heldout_fraction)
+    data = samples(readers, train_refs, layers, hp.max_length)
+    check_mask_token(data, section.mask_token_id, where)
     vocab = manifest["target"]["vocab_size"]
     full = len(d2t) >= vocab
     cfg = DFlashConfig(
         vocab_size=vocab,
         draft_vocab_size=vocab if full else len(d2t),
         target_hidden_size=manifest["target"]["hidden_size"],
-        num_target_layers=section["num_target_layers"],
-        target_layer_ids=tuple(section["target_layer_ids"]),
-        mask_token_id=section["mask_token_id"],
-        block_size=section["block_size"],
-        num_layers=section["num_layers"],
+        num_target_layers=section.num_target_layers,
+        target_layer_ids=section.target_layer_ids,
+        mask_token_id=section.mask_token_id,
+        block_size=section.block_size,
+        num_layers=section.num_layers,
         **{k: v.arch[k] for k in arch.FIELDS},
     )
     model = init(cfg, embed.float(), lm_head.float(), None if full else d2t)
-    rows = fit(model, data, hyper(v.train, section, len(data)))
+    rows = fit(model, data, hyper(hp, len(data)))
     save_dflash(model, out, rows)
     final = rows[-1]["loss"] if rows else None
     return {"samples": len(data), "steps": len(rows), "final_loss": final}

@@ -7,6 +7,7 @@ import math
 import shutil
 import time
 from contextlib import nullcontext
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -22,7 +23,8 @@ from eaglet.progress import BEACON, Progress
 from eaglet.stages.hidden import read as hidden_read
 from eaglet.stages.train import warm_start
 from eaglet.stages.train.checkpoint import Trainer, resume, save_checkpoint
-from eaglet.stages.train.data import plan_steps
+from eaglet.stages.train.data import Steps, plan_steps
+from eaglet.stages.train.spec import TrainHyper
 
 
 def lr_factor(step: int, warmup: int, total: int, min_ratio: float) -> float:
@@ -33,14 +35,14 @@ def lr_factor(step: int, warmup: int, total: int, min_ratio: float) -> float:
     return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
 
 
-def heldout(model: Drafter, readers, refs, hp: dict, head: TargetHead, run: ttt.Run) -> dict:
+def heldout(model: Drafter, readers, refs, hp: TrainHyper, head: TargetHead, run: ttt.Run) -> dict:
     """Mean per-step loss and top-1 accuracy on held-out samples."""
-    steps = hp["ttt_length"]
+    steps = hp.ttt_length
     ce, hits, n = torch.zeros(steps), torch.zeros(steps), torch.zeros(steps)
-    bs = hp["batch_size"]
+    bs = hp.batch_size
     with torch.no_grad():
         for i in range(0, len(refs), bs):
-            batch = ttt.load(readers, refs[i : i + bs], hp["max_length"])
+            batch = ttt.load(readers, refs[i : i + bs], hp.max_length)
             b = ttt.prepare(batch, head, steps, run.device, refs[i : i + bs])
             c, h = ttt.ttt_batch(model, b, steps, head, run)
             ce, hits = ce + c.cpu(), hits + h.cpu()
@@ -49,17 +51,19 @@ def heldout(model: Drafter, readers, refs, hp: dict, head: TargetHead, run: ttt.
     return {"loss": (ce / n).tolist(), "acc": (hits / n).tolist(), "positions": int(n[0])}
 
 
-def offline_acceptance(model: Drafter, readers, refs, hp: dict, head: TargetHead, run) -> float:
+def offline_acceptance(
+    model: Drafter, readers, refs, hp: TrainHyper, head: TargetHead, run
+) -> float:
     """Offline acceptance length of `select.num_steps` chained drafts over the samples `refs`:
     1 + the mean accepted count over every answer start position."""
-    steps = hp["select"]["num_steps"]
-    n = ttt.accepted_counts(
-        model, readers, refs, head, steps, run, hp["batch_size"], hp["max_length"]
-    )
+    steps = hp.select.num_steps
+    n = ttt.accepted_counts(model, readers, refs, head, steps, run, hp.batch_size, hp.max_length)
     return float(1 + n.float().mean()) if len(n) else 1.0
 
 
-def select(t: Trainer, readers, held: list, hp: dict, run: ttt.Run, step: int, epoch: int) -> None:
+def select(
+    t: Trainer, readers, held: list, hp: TrainHyper, run: ttt.Run, step: int, epoch: int
+) -> None:
     """At an epoch end: the offline acceptance on the held-out split goes to the epoch's row of
     heldout.csv; the weights are kept when it is the best so far (the earliest on a tie)."""
     value = offline_acceptance(t.model, readers, held, hp, t.head, run)
@@ -76,7 +80,7 @@ def select(t: Trainer, readers, held: list, hp: dict, run: ttt.Run, step: int, e
 def make_trainer(
     cfg: DrafterConfig,
     tensors: dict[str, Tensor],
-    hp: dict,
+    hp: TrainHyper,
     total: int,
     run: ttt.Run,
     init: Drafter | None = None,
@@ -85,7 +89,7 @@ def make_trainer(
     """A seeded drafter with the target's embeddings and the draft vocab maps, started from
     `init`'s weights when given (warm start), AdamW, linear warmup then cosine decay (times
     `lr_scale(step)`, train.phases' lr_scale, when given)."""
-    torch.manual_seed(hp["seed"])
+    torch.manual_seed(hp.seed)
     model = Drafter(cfg)
     model.embed_tokens.weight.copy_(tensors["embed"])
     model.d2t.copy_(tensors["d2t"])
@@ -94,13 +98,11 @@ def make_trainer(
     model.to(run.device)
     head = TargetHead(tensors["lm_head"], tensors["t2d"], getattr(torch, run.dtype))
     trainable = [p for p in model.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(
-        trainable, lr=hp["lr"], betas=(0.9, 0.95), weight_decay=hp["weight_decay"]
-    )
-    warmup = max(1, math.ceil(hp["warmup_ratio"] * total))
+    opt = torch.optim.AdamW(trainable, lr=hp.lr, betas=(0.9, 0.95), weight_decay=hp.weight_decay)
+    warmup = max(1, math.ceil(hp.warmup_ratio * total))
     scale = lr_scale or (lambda s: 1.0)
     sched = torch.optim.lr_scheduler.LambdaLR(
-        opt, lambda s: lr_factor(s, warmup, total, hp["min_lr_ratio"]) * scale(s)
+        opt, lambda s: lr_factor(s, warmup, total, hp.min_lr_ratio) * scale(s)
     )
     # gradients as views into the all-reduce buckets: no second copy of them
     ddp = DDP(model, gradient_as_bucket_view=True) if run.world > 1 else model
@@ -108,7 +110,7 @@ def make_trainer(
 
 
 def train_step(
-    t: Trainer, readers: list, refs: list, hp: dict, run: ttt.Run, step: int = 0
+    t: Trainer, readers: list, refs: list, hp: TrainHyper, run: ttt.Run, step: int = 0
 ) -> tuple[dict, int]:
     """One optimizer step over this process's `refs` (micro-batches accumulated, gradients
     all-reduced once): its log row (without step and epoch) and the tokens trained.
@@ -117,11 +119,11 @@ def train_step(
     those of the last finite step): an EagletError naming step `step` (0-based, shown 1-based as
     in metrics.csv) and the samples. Both are checked after the all-reduce, so every process
     stops at the same step."""
-    steps, bs = hp["ttt_length"], hp["batch_size"]
-    weights = torch.tensor([hp["step_weight"] ** k for k in range(steps)])
+    steps, bs = hp.ttt_length, hp.batch_size
+    weights = torch.tensor([hp.step_weight**k for k in range(steps)])
     parts = [refs[i : i + bs] for i in range(0, len(refs), bs)]
     micro = [
-        ttt.prepare(ttt.load(readers, part, hp["max_length"]), t.head, steps, run.device, part)
+        ttt.prepare(ttt.load(readers, part, hp.max_length), t.head, steps, run.device, part)
         for part in parts
     ]
     counts = torch.stack([torch.stack([m.sum() for m in b["masks"]]) for b in micro]).sum(0)
@@ -141,7 +143,7 @@ def train_step(
             bad.append(j)
         ce_sum, hit_sum = ce_sum + ce, hit_sum + hits.cpu()
         tokens += int(b["loss_mask"].sum())
-    grad_norm = torch.nn.utils.clip_grad_norm_(t.trainable, hp["max_grad_norm"])
+    grad_norm = torch.nn.utils.clip_grad_norm_(t.trainable, hp.max_grad_norm)
     ce_sum, hit_sum = run.sum(ce_sum), run.sum(hit_sum)
     finite_loss = bool(torch.isfinite(ce_sum).all())
     if not (finite_loss and math.isfinite(float(grad_norm))):
@@ -201,7 +203,7 @@ def fit(
     readers: list,
     cfg: DrafterConfig,
     tensors: dict[str, Tensor],
-    hp: dict,
+    hp: TrainHyper,
     out: Path,
     checkpoint_every: int = 100,
     device: str = "auto",
@@ -212,7 +214,7 @@ def fit(
     model.safetensors, config.json, metrics.csv, heldout.csv). `tensors` holds the target's
     embed and lm_head and the vocab maps d2t, t2d; `init`, a drafter to start from. Resumes
     from `out`'s work folder."""
-    run = ttt.Run(hp["dtype"], device)
+    run = ttt.Run(hp.dtype, device)
     steps, long = plan_steps(readers, hp, run)
     t = make_trainer(cfg, tensors, hp, steps.total, run, init, steps.lr_scale)
     work = out.parent / f".{out.name}.work"
@@ -220,51 +222,104 @@ def fit(
     start = resume(ckpt, t, hp, run)
 
     hidden_read.expect(readers, steps.reads(start))
-    beacon = None
-    if run.rank == 0:  # the beacon of a run on its way, for `eaglet status`
-        work.mkdir(parents=True, exist_ok=True)
-        beacon = work / BEACON
-    progress = Progress("train", steps.total, quiet or run.rank != 0, "step", beacon)
-    progress.done = progress.base = start
+    progress = fit_progress(work, steps.total, start, quiet, run)
     counted = steps.count(readers, hp, range(start))  # what each dataset trained, so far
     t0 = time.monotonic()
     for step in range(start, steps.total):
         epoch = steps.locate(step)[1]
-        at = hp if steps.phases is None else hp | {"max_length": steps.phase(step).max_length}
-        longer = step > start and at["max_length"] > steps.phase(step - 1).max_length
-        if steps.phases is not None and longer:  # a phase of longer samples: the head's kept
-            t.head.known.clear()  # rows of samples cut shorter are stale, computed again
+        at = at_step(t, hp, steps, step, start)
         row, tokens = train_step(t, readers, steps.mine(step), at, run, step)
         steps.count(readers, hp, [step], counted)
         t.rows.append({"step": step + 1, "epoch": epoch} | row)
         progress.note(loss=row.get("loss"), epoch=epoch)
         progress.update(1, tokens=tokens)
         if steps.epoch_end(step) and steps.held and run.rank == 0:
-            h = heldout(t.model, readers, steps.held, hp, t.head, run)
-            t.held_rows.append(
-                {"step": step + 1, "epoch": epoch}
-                | {f"loss_{k}": v for k, v in enumerate(h["loss"])}
-                | {f"acc_{k}": v for k, v in enumerate(h["acc"])}
-            )
-            if "select" in hp:
-                select(t, readers, steps.held, hp, run, step, epoch)
+            epoch_end(t, readers, steps.held, hp, run, step, epoch)
         if (step + 1) % checkpoint_every == 0 and step + 1 < steps.total:
             save_checkpoint(ckpt, t, step + 1, steps, hp, steps.seen(counted))
     progress.close()
     elapsed = time.monotonic() - t0
-    chosen = None
-    if t.best is not None:  # train.select: the best epoch end's weights are the drafter
-        missing, _ = t.model.load_state_dict(t.best["state"], strict=False)
-        assert missing == ["embed_tokens.weight"], missing
-        chosen = {k: v for k, v in t.best.items() if k != "state"} | {
-            "by": hp["select"]["by"],
-            "num_steps": hp["select"]["num_steps"],
-            "curve": [r["offline_acceptance_length"] for r in t.held_rows],
-        }
+    chosen = keep_best(t, hp)
 
     final = None
     if steps.held and run.rank == 0:
         final = heldout(t.model, readers, steps.held, hp, t.head, run)
+    stats = fit_stats(t, steps, hp, run, start, counted, long, final, elapsed, progress.tokens)
+    if chosen is not None:
+        stats["selected"] = chosen
+    if run.rank == 0:
+        save_drafter(t.model, out, t.rows, t.held_rows)
+        shutil.rmtree(work, ignore_errors=True)
+    run.close()
+    return stats
+
+
+def fit_progress(work: Path, total: int, start: int, quiet: bool, run: ttt.Run) -> Progress:
+    """The run's progress from step `start`; rank 0 leaves a beacon in the work folder for
+    `eaglet status` while it runs."""
+    beacon = None
+    if run.rank == 0:
+        work.mkdir(parents=True, exist_ok=True)
+        beacon = work / BEACON
+    progress = Progress("train", total, quiet or run.rank != 0, "step", beacon)
+    progress.done = progress.base = start
+    return progress
+
+
+def at_step(t: Trainer, hp: TrainHyper, steps: Steps, step: int, start: int) -> TrainHyper:
+    """The hyperparameters of `step`: with train.phases, its phase's max_length. Entering a
+    phase of longer samples clears the head's kept rows (those of samples cut shorter are
+    stale, computed again)."""
+    if steps.phases is None:
+        return hp
+    at = replace(hp, max_length=steps.phase(step).max_length)
+    if step > start and at.max_length > steps.phase(step - 1).max_length:
+        t.head.known.clear()
+    return at
+
+
+def epoch_end(
+    t: Trainer, readers: list, held: list, hp: TrainHyper, run: ttt.Run, step: int, epoch: int
+) -> None:
+    """At an epoch end (rank 0): the held-out loss and accuracy per TTT step to heldout.csv's
+    rows, and with train.select the offline acceptance that picks the weights."""
+    h = heldout(t.model, readers, held, hp, t.head, run)
+    t.held_rows.append(
+        {"step": step + 1, "epoch": epoch}
+        | {f"loss_{k}": v for k, v in enumerate(h["loss"])}
+        | {f"acc_{k}": v for k, v in enumerate(h["acc"])}
+    )
+    if hp.select is not None:
+        select(t, readers, held, hp, run, step, epoch)
+
+
+def keep_best(t: Trainer, hp: TrainHyper) -> dict | None:
+    """train.select: the best epoch end's weights become the drafter's; what was chosen (None
+    without a selection)."""
+    if t.best is None:
+        return None
+    missing, _ = t.model.load_state_dict(t.best["state"], strict=False)
+    assert missing == ["embed_tokens.weight"], missing
+    return {k: v for k, v in t.best.items() if k != "state"} | {
+        "by": hp.select.by,
+        "num_steps": hp.select.num_steps,
+        "curve": [r["offline_acceptance_length"] for r in t.held_rows],
+    }
+
+
+def fit_stats(
+    t: Trainer,
+    steps: Steps,
+    hp: TrainHyper,
+    run: ttt.Run,
+    start: int,
+    counted: list[dict],
+    long: dict,
+    final: dict | None,
+    elapsed: float,
+    tokens: int,
+) -> dict:
+    """The sidecar's stats of a finished run."""
     last = t.rows[-1] if t.rows else None
     stats = {
         "steps": steps.total,
@@ -277,17 +332,11 @@ def fit(
         "heldout_samples": len(steps.held),
         "overlong": long,
         "final_loss": last["loss"] if last else None,
-        "final_acc": [last[f"acc_{k}"] for k in range(hp["ttt_length"])] if last else None,
+        "final_acc": [last[f"acc_{k}"] for k in range(hp.ttt_length)] if last else None,
         "heldout": final,
         "elapsed_s": round(elapsed, 3),
-        "tokens_per_s": round(progress.tokens / elapsed, 1) if elapsed > 0 else None,
+        "tokens_per_s": round(tokens / elapsed, 1) if elapsed > 0 else None,
     }
     if t.warm is not None:
         stats["init_from"] = t.warm
-    if chosen is not None:
-        stats["selected"] = chosen
-    if run.rank == 0:
-        save_drafter(t.model, out, t.rows, t.held_rows)
-        shutil.rmtree(work, ignore_errors=True)
-    run.close()
     return stats
