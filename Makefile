@@ -32,9 +32,11 @@ demo: setup
 	$(VENV)/bin/snakemake --cores $(CORES)
 	$(PY) -m eaglet status
 
-# every tier: tests/unit, tests/stages/<stage>, tests/e2e and the files still in tests/
+# every tier: tests/unit, tests/stages/<stage>, tests/e2e. One pytest worker a core, a test file
+# to a worker (its module fixtures are built once): a test waiting on a server or a subprocess
+# leaves its core to the other worker.
 test: setup lint
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n $(CORES) --dist loadfile
 
 check: setup lint
 	$(PY) -m pytest -q tests/unit

@@ -323,19 +323,11 @@ def test_evaluate_measures_acceptance_with_the_engine(project):
         for name, suite in metrics["suites"].items()
     }
 
-    # engine only: eaglet loads no target, the engine's numbers are the same run's
+    # engine only, at an operator's engine already serving the export: eaglet loads no target
+    # and starts nothing; the counters read at its URL are those of eaglet's own engine above
     data["drafters"]["d"]["evaluate"]["in_process"] = False
     alone = load(write_params(project, data))
     assert Keys(alone).key("evaluate", "d") != Keys(params).key("evaluate", "d")
-    out = build("evaluate", alone, "d", threads=2, quiet=True)
-    solo = json.loads((out / "metrics.json").read_text())
-    assert not solo["in_process"] and solo["offline"] == metrics["offline"]  # lm_head alone
-    for name, suite in solo["suites"].items():
-        greedy = suite["vllm"]["temperature_0"]["num_steps_2"]
-        assert suite["eaglet"] == {} and "agreement" not in suite
-        assert greedy["acceptance_length"] == greedy_al[name] and greedy["greedy_equal"]
-
-    # an operator's engine already serving the export: the same counters, read at its URL
     target = spec_of(alone)
     serve = ServeConfig(model=materialize(target), served_name=target.name)
     spec = dataclasses.replace(serve, speculative=eagle3(Keys(alone).path("vllm", "d"), 2))
@@ -345,8 +337,10 @@ def test_evaluate_measures_acceptance_with_the_engine(project):
         out = build("evaluate", op, "d", threads=2, quiet=True)
     m = json.loads((out / "metrics.json").read_text())
     assert m["engine"]["operator"] and m["greedy_reference"] is None
+    assert not m["in_process"] and m["offline"] == metrics["offline"]  # lm_head alone
     for name, suite in m["suites"].items():
         greedy = suite["vllm"]["temperature_0"]["num_steps_2"]
+        assert suite["eaglet"] == {} and "agreement" not in suite
         assert greedy["acceptance_length"] == greedy_al[name]
         assert "greedy_equal" not in greedy  # no plain run to compare with
     assert not servers()

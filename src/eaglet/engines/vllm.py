@@ -117,6 +117,11 @@ class ServeConfig:
             **kw,
         )
 
+    @property
+    def in_one_process(self) -> bool:
+        """One rank on the CPU build: the model runs inside the engine core's process."""
+        return self.tensor_parallel_size == 1 and device_type("auto") != "cuda"
+
     def argv(self, port: int) -> list[str]:
         """The server's command line."""
         args = [
@@ -133,6 +138,10 @@ class ServeConfig:
         ]  # fmt: skip
         if self.tensor_parallel_size > 1:
             args += ["--tensor-parallel-size", str(self.tensor_parallel_size)]
+        elif self.in_one_process:
+            # the CPU build's default runs the model in a third process: one more vLLM import
+            # (about 10 s of start-up on 2 cores) for no parallelism at one rank
+            args += ["--distributed-executor-backend", "uni"]
         if self.enforce_eager:
             args.append("--enforce-eager")
         if self.revision:
@@ -164,6 +173,8 @@ class ServeConfig:
             OMP_NUM_THREADS=str(threads),
             TOKENIZERS_PARALLELISM="false",
         )
+        if self.in_one_process:  # else the CPU platform turns `uni` back into `mp`
+            env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         return env
 
 

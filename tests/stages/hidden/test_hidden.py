@@ -171,7 +171,7 @@ def test_vllm_engine_states_equal_the_transformers_forward(built, tmp_path):
     spool.mkdir()  # given, so the test can see it emptied (unset: a temporary one, removed)
     params = params_for(root, "vllm.yaml", **EXACT, backend="vllm", spool=str(spool))
     engine = build("hidden", params, "sg", out=root / "via-vllm", quiet=True)
-    assert not pgrep_vllm() and not any(spool.iterdir())
+    assert not pgrep(str(spool)) and not any(spool.iterdir())
     ref, got = HiddenReader(out), HiddenReader(engine)
     assert got.manifest["backend"] == "vllm" and got.ids == ref.ids
     assert got.manifest["last"]["how"].startswith("last layer output from the engine")
@@ -188,8 +188,10 @@ def test_vllm_engine_states_equal_the_transformers_forward(built, tmp_path):
     assert report["ok"] and report["max_relative_error"] < 1e-4
 
 
-def pgrep_vllm() -> list[str]:
-    r = subprocess.run(["pgrep", "-f", "vllm.entrypoints"], capture_output=True, text=True)
+def pgrep(pattern: str) -> list[str]:
+    """The processes whose command line holds `pattern` (this test's own paths: tests in other
+    workers run servers of their own)."""
+    r = subprocess.run(["pgrep", "-f", pattern], capture_output=True, text=True)
     return r.stdout.split()
 
 

@@ -169,7 +169,8 @@ def test_faulty_server_kill9_then_rerun_gives_every_answer_once(tmp_path, server
     assert side["responses"] == n
     assert side["completion_tokens"] == sum(e["completion_tokens"] for e in expect)
     assert side["cost"] == pytest.approx(sum(e["cost"] for e in expect), rel=1e-9)
-    assert side["requests_sent"] == n - side["store_hits"] and side["store_hits"] >= 700
+    # every answer stored before the kill is reused (those in flight were paid, never stored)
+    assert side["requests_sent"] == n - side["store_hits"] and side["store_hits"] >= live["done"]
     # answers paid twice: at most those in flight at the kill (concurrency 64)
     paid = sum(len(v) for v in fake.sent.values())
     assert n <= paid <= n + 64 and paid_before <= n
