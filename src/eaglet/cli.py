@@ -42,7 +42,7 @@ def _checked(args: argparse.Namespace, stage: str):
 def build(stage: str, params, name: str, out: Path | None = None, **opts):
     """graph.keys.build; a write the filesystem refused also says what the build kept for the
     rerun (shards, a checkpoint) and how to go on."""
-    from eaglet.formats.atomic import WriteFailed
+    from eaglet.atomic import WriteFailed
     from eaglet.graph import keys
 
     try:
@@ -426,7 +426,7 @@ def _graph_commands(sub: argparse._SubParsersAction) -> None:
 def _refused(e: Exception) -> int:
     """A write the filesystem refused where no eaglet write named its file: one line, exit 2;
     any other error is a bug, with its traceback."""
-    from eaglet.formats.atomic import write_failure
+    from eaglet.atomic import write_failure
 
     reason = write_failure(e, Path.cwd())
     if reason is None:

@@ -1,7 +1,7 @@
 """The byte formats of eaglet's files: canonical JSON, pretty JSON, zstandard JSON lines.
 
 These decide an artifact's bytes, so they are compute code (in the code keys); the atomic
-writes under them (`eaglet.formats.atomic`) are not.
+writes under them (`eaglet.atomic`) are not.
 """
 
 from __future__ import annotations
@@ -15,8 +15,8 @@ from typing import IO, Any
 
 import zstandard
 
+from eaglet.atomic import atomic_path, write_text
 from eaglet.errors import EagletError
-from eaglet.formats.atomic import atomic_path, write_text
 
 ZSTD_LEVEL = 10
 
