@@ -42,7 +42,7 @@ def _checked(args: argparse.Namespace, stage: str):
 def build(stage: str, params, name: str, out: Path | None = None, **opts):
     """graph.keys.build; a write the filesystem refused also says what the build kept for the
     rerun (shards, a checkpoint) and how to go on."""
-    from eaglet.formats.atomic import WriteFailed
+    from eaglet.atomic import WriteFailed
     from eaglet.graph import keys
 
     try:
@@ -292,7 +292,9 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--version", action="version", version=f"eaglet {__version__}")
     sub = ap.add_subparsers(dest="command", required=True)
     _stage_commands(sub)
-    _graph_commands(sub)
+    _view_commands(sub)
+    _upkeep_commands(sub)
+    _publish_commands(sub)
     return ap
 
 
@@ -338,8 +340,8 @@ def _stage_commands(sub: argparse._SubParsersAction) -> None:
     g.add_argument("--to", choices=["sglang", "vllm"], required=True, help="serving engine")
 
 
-def _graph_commands(sub: argparse._SubParsersAction) -> None:
-    """Commands over the whole graph: plan it, see it, compare, publish, clean up."""
+def _view_commands(sub: argparse._SubParsersAction) -> None:
+    """The whole graph seen: planned before anything runs, each artifact's state and key."""
     p = sub.add_parser("plan", help="prompts, tokens, dollars and disk before anything runs")
     p.add_argument("--target-config", type=Path, help="the target's config.json, if not local")
     p.add_argument("--json", action="store_true", help="machine-readable output")
@@ -374,6 +376,15 @@ def _graph_commands(sub: argparse._SubParsersAction) -> None:
         _add_common(p)
         p.set_defaults(fn=fn)
 
+    p = sub.add_parser("path", help="print the current keyed path of an artifact")
+    p.add_argument("stage")
+    p.add_argument("name")
+    _add_common(p)
+    p.set_defaults(fn=cmd_path)
+
+
+def _upkeep_commands(sub: argparse._SubParsersAction) -> None:
+    """The graph kept honest and small: code versions, old artifacts, the store's copy."""
     p = sub.add_parser("code", help="each stage's code version and kernel digest against the lock")
     p.add_argument("--lock", action="store_true", help="record versions and digests in the lock")
     p.add_argument(
@@ -396,6 +407,10 @@ def _graph_commands(sub: argparse._SubParsersAction) -> None:
     _add_common(p)
     p.set_defaults(fn=cmd_snapshot)
 
+
+def _publish_commands(sub: argparse._SubParsersAction) -> None:
+    """What the graph made, shown to others: metrics for DVC, two versions side by side, a
+    drafter's page."""
     p = sub.add_parser("publish", help="write current metrics at stable paths for DVC")
     _add_common(p)
     p.set_defaults(fn=cmd_publish)
@@ -416,17 +431,11 @@ def _graph_commands(sub: argparse._SubParsersAction) -> None:
     _add_common(p)
     p.set_defaults(fn=cmd_report)
 
-    p = sub.add_parser("path", help="print the current keyed path of an artifact")
-    p.add_argument("stage")
-    p.add_argument("name")
-    _add_common(p)
-    p.set_defaults(fn=cmd_path)
-
 
 def _refused(e: Exception) -> int:
     """A write the filesystem refused where no eaglet write named its file: one line, exit 2;
     any other error is a bug, with its traceback."""
-    from eaglet.formats.atomic import write_failure
+    from eaglet.atomic import write_failure
 
     reason = write_failure(e, Path.cwd())
     if reason is None:

@@ -18,6 +18,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+from eaglet.atomic import writing  # a full or read-only folder: one line
+
 _LINE = re.compile(r"^pid (?P<pid>\d+) on (?P<host>\S+), since (?P<since>.+)$")
 
 
@@ -56,8 +58,6 @@ def pid_alive(pid: int) -> bool:
 def hold(path: str | os.PathLike, command: str = "") -> Iterator[None]:
     """Hold the lock at `path` for this process while the block runs; raise Locked naming the
     holder if another process has it."""
-    from eaglet.formats.atomic import writing  # a full or read-only folder: one line
-
     path = Path(path)
     with writing(path):
         path.parent.mkdir(parents=True, exist_ok=True)

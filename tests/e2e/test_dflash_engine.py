@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from eaglet.formats import dflash_export
 from eaglet.formats.dflash import save_dflash
-from eaglet.model.dflash import export
 from eaglet.model.dflash.config import DFlashConfig
 from eaglet.model.dflash.train import Hyper, fit, init
 from eaglet.model.target import materialize, resolve
@@ -123,8 +123,8 @@ def test_evaluate_measures_a_trained_dflash_export_on_stock_vllm(tmp_path):
     assert rows[-1]["loss"] < 0.5 * rows[0]["loss"]
     trained, out = tmp_path / "train", tmp_path / "dflash"
     save_dflash(model, trained, rows)
-    export.write(model, out)
-    exported = export.load(out, embed)
+    dflash_export.write(model, out)
+    exported = dflash_export.load(out, embed)
     rounds = [n for s in samples for n in chain(exported, s, s["prompt"], BLOCK - 1)]
     own = 1 + sum(rounds) / len(rounds)
     per_position = [sum(n >= j for n in rounds) / len(rounds) for j in range(1, BLOCK)]

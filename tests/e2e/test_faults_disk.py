@@ -223,7 +223,7 @@ def test_gc_removes_what_a_killed_export_left_and_nothing_published(built):
         "import os, sys\n"
         "from pathlib import Path\n"
         "from eaglet import locks\n"
-        "from eaglet.formats.atomic import atomic_path\n"
+        "from eaglet.atomic import atomic_path\n"
         "from eaglet.graph.keys import lock_of\n"
         "out = Path(sys.argv[1])\n"
         "with locks.hold(lock_of(out), 'eaglet export d --to vllm'):\n"
@@ -250,7 +250,7 @@ import resource, signal, sys
 from pathlib import Path
 import torch
 from safetensors.torch import save_file
-from eaglet.formats.atomic import WriteFailed, atomic_path
+from eaglet.atomic import WriteFailed, atomic_path
 from eaglet.formats.io import write_jsonl_zst
 
 signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit: EFBIG, not a signal

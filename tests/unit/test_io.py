@@ -2,7 +2,7 @@ import os
 
 import pytest
 
-from eaglet.formats.atomic import atomic_path
+from eaglet.atomic import atomic_path
 from eaglet.formats.io import read_jsonl, write_json, write_jsonl_zst
 
 

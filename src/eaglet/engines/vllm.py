@@ -55,7 +55,7 @@ from eaglet.device import device_type, resolve_dtype
 from eaglet.engines.http import Client, Retryable, unreachable
 from eaglet.errors import EagletError
 from eaglet.formats.chat import prompt_ids, stop_ids
-from eaglet.formats.hashing import cache_dir
+from eaglet.hashing import cache_dir
 from eaglet.model.capture import rms_norm, vllm_layers
 from eaglet.model.target import (
     TargetSpec,

@@ -10,8 +10,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
+from eaglet.atomic import atomic_path, write_text
 from eaglet.errors import EagletError
-from eaglet.formats.atomic import atomic_path, write_text
 from eaglet.formats.io import read_json, write_json
 from eaglet.model.dflash.config import DFlashConfig
 from eaglet.model.dflash.model import DFlash

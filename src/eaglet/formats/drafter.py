@@ -10,7 +10,7 @@ from pathlib import Path
 
 from safetensors.torch import load_file, save_file
 
-from eaglet.formats.atomic import atomic_path, write_text
+from eaglet.atomic import atomic_path, write_text
 from eaglet.formats.io import read_json, write_json
 from eaglet.model.drafter import Drafter, DrafterConfig
 

@@ -37,8 +37,8 @@ import zstandard
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from eaglet.atomic import atomic_path, writing
 from eaglet.errors import EagletError
-from eaglet.formats.atomic import atomic_path, writing
 from eaglet.formats.io import write_json
 
 FORMAT = "eaglet-hidden/1"

@@ -1,22 +1,23 @@
 """The byte formats of eaglet's files: canonical JSON, pretty JSON, zstandard JSON lines.
 
 These decide an artifact's bytes, so they are compute code (in the code keys); the atomic
-writes under them (`eaglet.formats.atomic`) are not.
+writes under them (`eaglet.atomic`) are not.
 """
 
 from __future__ import annotations
 
+import functools
 import io
 import json
 import os
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import IO, Any
 
 import zstandard
 
+from eaglet.atomic import atomic_path, write_text
 from eaglet.errors import EagletError
-from eaglet.formats.atomic import atomic_path, write_text
 
 ZSTD_LEVEL = 10
 
@@ -95,51 +96,18 @@ def _verified_frames(path: Path) -> Iterator[bytes]:
     except OSError as e:
         raise EagletError(f"{path}: cannot read ({e.strerror})") from None
     with f:
-        size = os.fstat(f.fileno()).st_size
-        tail = b""
-        if size >= END_BYTES:
-            f.seek(size - END_BYTES)
-            tail = f.read(END_BYTES)
-            f.seek(0)
-        if tail[: len(END_MAGIC)] != END_MAGIC or tail[8 : 8 + len(END_TAG)] != END_TAG:
-            raise _damaged(
-                path,
-                "truncated: no end marker (cut short, or written by an older eaglet)",
-            )
-        declared = int.from_bytes(tail[-8:], "little")
-        left = size - END_BYTES
+        declared, frames_end = _declared(f, path)
+        more = functools.partial(next, _chunks(f, frames_end), b"")
         dctx = zstandard.ZstdDecompressor()
         lines, offset, data = 0, 0, b""
-
-        def more() -> bytes:
-            nonlocal left
-            chunk = f.read(min(_READ_SIZE, left))
-            left -= len(chunk)
-            return chunk
-
         try:
-            while True:
-                while len(data) < _FRAME_HEADER_MAX and left:
-                    data += more()
-                if not data:
-                    break
+            while data := _frame_header(data, more):
                 if data[:4] != ZSTD_MAGIC:
                     raise _damaged(path, f"corrupt: no zstd frame at byte {offset}")
                 if not zstandard.get_frame_parameters(data).has_checksum:
                     raise _damaged(path, f"corrupt: no checksum in the zstd frame at byte {offset}")
-                frame, out, used = dctx.decompressobj(), [], 0
-                while True:
-                    used += len(data)
-                    out.append(frame.decompress(data))
-                    if frame.eof:
-                        data = frame.unused_data
-                        used -= len(data)
-                        break
-                    data = more()
-                    if not data:
-                        raise _damaged(path, f"corrupt: the zstd frame at byte {offset} is cut")
+                text, data, used = _frame(dctx, data, more, path, offset)
                 offset += used
-                text = b"".join(out)
                 lines += text.count(b"\n")
                 yield text
         except zstandard.ZstdError as e:
@@ -148,6 +116,56 @@ def _verified_frames(path: Path) -> Iterator[bytes]:
             raise _damaged(
                 path, f"truncated: {lines} records where the end marker declares {declared}"
             )
+
+
+def _declared(f: IO[bytes], path: Path) -> tuple[int, int]:
+    """The record count that the end marker of the open file `f` declares, and the offset where
+    its frames end (the marker's start)."""
+    size = os.fstat(f.fileno()).st_size
+    tail = b""
+    if size >= END_BYTES:
+        f.seek(size - END_BYTES)
+        tail = f.read(END_BYTES)
+        f.seek(0)
+    if tail[: len(END_MAGIC)] != END_MAGIC or tail[8 : 8 + len(END_TAG)] != END_TAG:
+        raise _damaged(path, "truncated: no end marker (cut short, or written by an older eaglet)")
+    return int.from_bytes(tail[-8:], "little"), size - END_BYTES
+
+
+def _chunks(f: IO[bytes], end: int) -> Iterator[bytes]:
+    """The bytes of `f` from where it stands up to `end`, a read at a time."""
+    left = end - f.tell()
+    while left and (chunk := f.read(min(_READ_SIZE, left))):
+        left -= len(chunk)
+        yield chunk
+
+
+def _frame_header(data: bytes, more: Callable[[], bytes]) -> bytes:
+    """`data` read on until it holds a frame header's longest (less only at the end)."""
+    while len(data) < _FRAME_HEADER_MAX and (chunk := more()):
+        data += chunk
+    return data
+
+
+def _frame(
+    dctx: zstandard.ZstdDecompressor,
+    data: bytes,
+    more: Callable[[], bytes],
+    path: Path,
+    offset: int,
+) -> tuple[bytes, bytes, int]:
+    """Decompress the frame that `data` starts with, reading on with `more`: its text (zstd
+    checks the checksum at the frame's end), the bytes read past it, and the frame's length."""
+    frame, out, used = dctx.decompressobj(), [], 0
+    while True:
+        used += len(data)
+        out.append(frame.decompress(data))
+        if frame.eof:
+            rest = frame.unused_data
+            return b"".join(out), rest, used - len(rest)
+        data = more()
+        if not data:
+            raise _damaged(path, f"corrupt: the zstd frame at byte {offset} is cut")
 
 
 class ChunkStream(io.RawIOBase):

@@ -34,6 +34,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from eaglet import locks
+from eaglet.atomic import atomic_path
 from eaglet.errors import EagletError
 from eaglet.formats.io import dumps
 
@@ -191,8 +192,6 @@ class Store:
     def snapshot(self, dest: Path) -> Path:
         """A consistent copy of the store at `dest` (SQLite's online backup: other processes
         may write meanwhile), written atomically: what `make store` versions in DVC."""
-        from eaglet.formats.atomic import atomic_path
-
         with atomic_path(dest) as tmp:
             copy = sqlite3.connect(tmp)
             try:

@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from eaglet.formats.atomic import atomic_path
+from eaglet.atomic import atomic_path
 
 
 def write_vocab(out: Path, d2t: torch.Tensor, t2d: torch.Tensor) -> None:

@@ -25,9 +25,9 @@ from typing import Any, Generic, TypeVar
 
 from eaglet import __version__, locks
 from eaglet.errors import EagletError
-from eaglet.formats.hashing import file_digest
 from eaglet.formats.io import dumps
 from eaglet.graph import code
+from eaglet.hashing import file_digest
 from eaglet.model.target import (
     TargetSpec,
     read_config,

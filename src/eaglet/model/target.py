@@ -17,9 +17,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from eaglet.atomic import atomic_path
 from eaglet.device import resolve_device, resolve_dtype
 from eaglet.errors import EagletError
-from eaglet.formats.hashing import cache_dir, file_digest, tree_digest
+from eaglet.hashing import cache_dir, file_digest, tree_digest
 
 SMOLLM2 = "smollm2-135m-instruct"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -167,8 +168,6 @@ def _convert_gguf(gguf: Path, out: Path) -> None:
     """De-quantize a GGUF into a plain safetensors folder (fp32, exact de-quantized values)."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from eaglet.formats.atomic import atomic_path
 
     _quiet_hub_bars()
     kw: dict[str, Any] = {"gguf_file": gguf.name}

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from eaglet.formats.atomic import write_text
+from eaglet.atomic import write_text
 from eaglet.formats.io import write_json
 from eaglet.graph.artifacts import scan
 from eaglet.graph.keys import Keys

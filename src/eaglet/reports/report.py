@@ -15,8 +15,8 @@ import html
 import json
 from pathlib import Path
 
+from eaglet.atomic import write_text
 from eaglet.errors import EagletError
-from eaglet.formats.atomic import write_text
 from eaglet.formats.io import read_json
 from eaglet.formats.metrics import (
     Metrics,

@@ -15,7 +15,7 @@ from safetensors.torch import load_file
 from torch import nn
 
 from eaglet.errors import EagletError
-from eaglet.model.dflash import export
+from eaglet.formats import dflash_export
 from eaglet.model.dflash.config import DFlashConfig, spread_layer_ids
 from eaglet.model.dflash.loss import (
     block_labels,
@@ -157,7 +157,7 @@ def vllms(tmp_path: Path, model: DFlash, aux, ids, anchors) -> torch.Tensor:
     target = tmp_path / "tiny"
     tiny_llama(target)
     folder = tmp_path / "export"
-    export.write(model, folder)
+    dflash_export.write(model, folder)
     out = []
     with vllm_dflash(target, folder, cfg.block_size) as (served, _):
         # the proposer shares the target's embeddings with a drafter that ships none

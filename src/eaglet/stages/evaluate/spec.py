@@ -10,9 +10,9 @@ from typing import TYPE_CHECKING
 
 from eaglet.device import device_type
 from eaglet.errors import AwaitedFile, EagletError
-from eaglet.formats.hashing import file_digest
 from eaglet.graph.footprint import in_process, in_process_bytes
 from eaglet.graph.keys import Keys, file_key
+from eaglet.hashing import file_digest
 
 if TYPE_CHECKING:
     from eaglet.model.target import TargetSpec

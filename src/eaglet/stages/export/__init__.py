@@ -16,7 +16,7 @@ CODE = Code(
         "eaglet.formats.exports",
         "eaglet.model.drafter",
         "eaglet.formats.drafter:load_drafter",
-        "eaglet.model.dflash.export",
+        "eaglet.formats.dflash_export",
         "eaglet.stages.export.dflash:validate",
         "eaglet.formats.dflash:load_dflash",
     ),

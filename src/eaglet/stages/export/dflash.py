@@ -1,5 +1,5 @@
 """The sglang and vllm stages for method dflash: one folder in z-lab's layout
-(eaglet.model.dflash.export), which both engines read, validated by loading it back.
+(eaglet.formats.dflash_export), which both engines read, validated by loading it back.
 
 Called by eaglet.stages.export.run when the trained folder is a DFlash drafter."""
 
@@ -12,12 +12,12 @@ from pathlib import Path
 
 import torch
 
+from eaglet.atomic import atomic_path
 from eaglet.errors import EagletError
-from eaglet.formats.atomic import atomic_path
+from eaglet.formats import dflash_export
 from eaglet.formats.dflash import load_dflash
 from eaglet.formats.io import write_json
 from eaglet.graph.keys import sidecar_of
-from eaglet.model.dflash import export
 from eaglet.model.dflash.model import DFlash
 
 BF16_TOLERANCE = 0.1  # the export's bf16 weights against the trained fp32 ones, on a probe
@@ -55,7 +55,7 @@ def validate(folder: Path, reference: DFlash) -> dict:
     drafter's on a probe; a one-line error if they differ beyond bf16 rounding."""
     embed = torch.randn(reference.cfg.vocab_size, reference.cfg.hidden_size)
     reference.embed_tokens.weight.data.copy_(embed)
-    loaded = export.load(folder, embed)
+    loaded = dflash_export.load(folder, embed)
     if loaded.cfg != reference.cfg:
         raise EagletError(f"{folder}: config.json does not round-trip the trained config")
     diff = (probe(loaded) - probe(reference)).abs().max().item()
@@ -72,7 +72,7 @@ def run(spec, setup, out: Path) -> tuple[Path, str]:
     draft = os.path.relpath(out.resolve(), setup.root.resolve())
     command = serve_command(v.format, v.verifier, draft, model.cfg.block_size)
     with atomic_path(out, directory=True) as tmp:
-        export.write(model, tmp)
+        dflash_export.write(model, tmp)
         report = validate(tmp, model)
         write_json(
             sidecar_of(out), {"provenance": spec.provenance(), "stats": report | {"serve": command}}

@@ -9,9 +9,9 @@ import shlex
 from dataclasses import dataclass
 from pathlib import Path
 
+from eaglet.atomic import atomic_path
 from eaglet.errors import EagletError
 from eaglet.formats import exports
-from eaglet.formats.atomic import atomic_path
 from eaglet.formats.dflash import is_dflash
 from eaglet.formats.drafter import load_drafter
 from eaglet.formats.io import write_json

@@ -303,7 +303,7 @@ class Reuse:
                     self.source_of[sid] = other
 
 
-def _manifest(
+def manifest_of(
     spec: Spec, target: Target, storage: Storage, compute_dtype: str, shards: list, stats: dict
 ) -> dict:
     """The manifest of a hidden-states directory, but its samples."""
@@ -337,7 +337,7 @@ def _manifest(
     }
 
 
-def _sample_meta(sample: dict, shard: str | None) -> dict:
+def sample_meta(sample: dict, shard: str | None) -> dict:
     return {
         "id": sample["id"],
         "response_sha256": sample["response_sha256"],
@@ -346,4 +346,17 @@ def _sample_meta(sample: dict, shard: str | None) -> dict:
         "loss_tokens": sum(sample["loss_mask"]),
         "prompt_tokens": sample["prompt_tokens"],
         **({"turns": sample["turns"]} if sample.get("turns", 1) > 1 else {}),
+    }
+
+
+def disk_stats(shards: list[dict], tokens: int, n_aux: int, hidden: int, storage: Storage) -> dict:
+    """What the shards take on disk, per token and against the uncompressed states."""
+    size = sum(s["bytes"] for s in shards)
+    state = (n_aux + 1) * hidden * storage.itemsize
+    return {
+        "shards": len(shards),
+        "bytes": size,
+        "bytes_per_token": round(size / tokens, 2),
+        "state_bytes_per_token": state,  # (K+1)·H·itemsize, before compression
+        "compression_ratio": round(size / tokens / state, 4),
     }

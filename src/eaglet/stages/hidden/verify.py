@@ -12,10 +12,11 @@ from eaglet.engines.lookup import hidden_states
 from eaglet.errors import EagletError
 from eaglet.formats.hidden_store import HiddenReader, decode, encode
 from eaglet.formats.records import conversation_of
-from eaglet.graph.keys import resolve_stage
+from eaglet.graph.keys import Spec, resolve_stage
 from eaglet.params import Params
 from eaglet.stages.hidden.kernel import Target, run_samples, sequences
 from eaglet.stages.hidden.run import responses
+from eaglet.stages.hidden.spec import HiddenSpec, Setup
 
 # Largest per-token relative error (L2 over a row) that --verify accepts: the storage's own
 # rounding, or the noise of recomputing a sequence alone instead of in a batch, whichever is
@@ -53,12 +54,38 @@ def verify(
     if m["responses_key"] != spec.upstream["responses"]:
         current = setup.responses.name
         problems.append(f"made from responses {m['responses_key']}, current are {current}")
-    meta = {s["id"]: s for s in m["samples"]}
     target = Target.of(spec, setup)
     n = samples or setup.engine["verify_samples"]
     picked = sorted(random.Random(0).sample(reader.ids, min(n, len(reader))))
-    convs = {conversation_of(sid) for sid in picked}  # a sample may hold several turns
+    fresh, missing = _sequences(picked, records, target, setup)
+    fresh = _recompute(spec, setup, target, m["aux_layer_ids"]["sglang"], fresh)
+    tolerance = max(
+        VERIFY_TOLERANCE["fp8" if reader.storage.fp8 else reader.storage.dtype],
+        COMPUTE_NOISE.get(m["compute_dtype"], 0.1),
+    )
+    worst, differ = _compare(reader, fresh, tolerance)
+    problems += missing + differ
+    if problems:
+        more = f" (+{len(problems) - 3} more)" if len(problems) > 3 else ""
+        raise EagletError(f"{path}: verify failed: {'; '.join(problems[:3])}{more}")
+    return {
+        "path": str(path),
+        "samples_checked": len(fresh),
+        "shards_checked": len(m["shards"]),
+        "max_relative_error": worst,
+        "tolerance": tolerance,
+        "ok": True,
+    }
+
+
+def _sequences(
+    picked: list[str], records: list[dict], target: Target, setup: Setup
+) -> tuple[list[dict], list[str]]:
+    """The training sequences of the `picked` sample ids, made afresh from their responses (a
+    sample may hold several turns: its whole conversation is read), and what could not be."""
+    convs = {conversation_of(sid) for sid in picked}
     mine = [r for r in records if conversation_of(r.get("id", "")) in convs]
+    problems = []
     try:
         by_id = {s["id"]: s for s in sequences(mine, target, setup.responses)[0]}
     except EagletError as e:
@@ -71,18 +98,28 @@ def verify(
             problems.append(f"sample {sid}: no usable response with this id")
         else:
             fresh.append(sample)
-    ids = m["aux_layer_ids"]["sglang"]
-    backend = hidden_states(spec.values.compute["backend"], setup.engine, target, ids, threads)
+    return fresh, problems
+
+
+def _recompute(
+    spec: Spec[HiddenSpec], setup: Setup, target: Target, ids: list[int], fresh: list[dict]
+) -> list[dict]:
+    """The samples with their states computed again, each alone: no batch effects."""
+    backend = hidden_states(
+        spec.values.compute["backend"], setup.engine, target, ids, setup.threads
+    )
     try:
-        fresh = run_samples(backend, fresh, batch_tokens=1)  # each alone: no batch effects
+        return run_samples(backend, fresh, batch_tokens=1)
     finally:
         backend.close()
-    storage = reader.storage
-    tolerance = max(
-        VERIFY_TOLERANCE["fp8" if storage.fp8 else storage.dtype],
-        COMPUTE_NOISE.get(m["compute_dtype"], 0.1),
-    )
-    worst = 0.0
+
+
+def _compare(reader: HiddenReader, fresh: list[dict], tolerance: float) -> tuple[float, list[str]]:
+    """The largest relative error of the stored states against the fresh ones (as the storage
+    encodes them), and each sample that differs."""
+    m, storage, problems, worst = reader.manifest, reader.storage, [], 0.0
+    meta = {s["id"]: s for s in m["samples"]}
+    n_aux = len(m["aux_layer_ids"]["sglang"])
     for f in fresh:
         sid = f["id"]
         try:
@@ -99,21 +136,10 @@ def verify(
             problems.append(f"sample {sid}: loss_mask differs from the response's turn")
         T = len(f["input_ids"])
         enc = encode(f, storage)
-        expect = decode(enc.__getitem__, T, len(ids), reader.hidden_size, storage)
+        expect = decode(enc.__getitem__, T, n_aux, reader.hidden_size, storage)
         for name in ("aux", "last"):
             err = _relative_error(stored[name], expect[name])
             worst = max(worst, err)
             if not err <= tolerance:
                 problems.append(f"sample {sid}: {name} relative error {err:.3g} > {tolerance}")
-    report = {
-        "path": str(path),
-        "samples_checked": len(fresh),
-        "shards_checked": len(m["shards"]),
-        "max_relative_error": worst,
-        "tolerance": tolerance,
-        "ok": not problems,
-    }
-    if problems:
-        more = f" (+{len(problems) - 3} more)" if len(problems) > 3 else ""
-        raise EagletError(f"{path}: verify failed: {'; '.join(problems[:3])}{more}")
-    return report
+    return worst, problems

@@ -175,7 +175,7 @@ def check_tokenizer(j: Job, not_checked: list[str]) -> dict | None:
 def gguf_converted(spec) -> bool:
     """Whether the built-in GGUF target is de-quantized already: the folder
     eaglet.model.target.materialize keeps it in (cache/targets/<name>-<digest[:16]>)."""
-    from eaglet.formats.hashing import cache_dir, file_digest
+    from eaglet.hashing import cache_dir, file_digest
 
     folder = cache_dir() / "targets" / f"{spec.name}-{file_digest(spec.location)[:16]}"
     return (folder / "config.json").is_file()

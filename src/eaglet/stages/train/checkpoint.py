@@ -12,8 +12,8 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor
 
+from eaglet.atomic import atomic_path
 from eaglet.errors import EagletError
-from eaglet.formats.atomic import atomic_path
 from eaglet.formats.io import write_json
 from eaglet.model import ttt
 

@@ -9,8 +9,8 @@ from pathlib import Path
 
 from eaglet.device import device_type, resolve_dtype
 from eaglet.errors import EagletError
-from eaglet.formats.hashing import file_digest
 from eaglet.graph.keys import Keys
+from eaglet.hashing import file_digest
 from eaglet.model import arch
 from eaglet.stages.hidden import spec as hidden_spec
 from eaglet.stages.train import dflash_spec

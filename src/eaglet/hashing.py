@@ -9,6 +9,8 @@ import json
 import os
 from pathlib import Path
 
+from eaglet.atomic import write_text
+
 _memo: dict[tuple, str] = {}
 
 
@@ -45,10 +47,8 @@ class JsonCache:
 
     def save(self) -> None:
         if self.dirty:
-            from eaglet.formats.io import write_json
-
             with contextlib.suppress(OSError):
-                write_json(self.path, self.entries)
+                write_text(self.path, json.dumps(self.entries))
             self.dirty = False
 
 
