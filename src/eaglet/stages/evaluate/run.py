@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch
 
-from eaglet.engines.vllm import target_stop_ids
+from eaglet.engines.vllm.generate import target_stop_ids
 from eaglet.errors import EagletError
 from eaglet.formats.atomic import atomic_path
 from eaglet.formats.chat import stop_ids
