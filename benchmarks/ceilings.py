@@ -32,7 +32,8 @@ import torch
 import yaml
 
 from benchmarks.common import bare, fit_args, pressure, project, stage
-from eaglet.engines.vllm import Engine, serve_config
+from eaglet.engines.vllm.generate import serve_config
+from eaglet.engines.vllm.server import Engine
 from eaglet.errors import EagletError
 from eaglet.formats.chat import prompt_ids
 from eaglet.formats.hidden_store import HiddenReader

@@ -12,7 +12,9 @@ from pathlib import Path
 import torch
 import yaml
 
-from eaglet.engines import vllm
+from eaglet.engines.vllm.config import ServeConfig
+from eaglet.engines.vllm.generate import target_stop_ids
+from eaglet.engines.vllm.server import Engine
 from eaglet.formats import exports, speculative
 from eaglet.formats.drafter import load_drafter
 from eaglet.formats.io import read_json, read_jsonl, write_jsonl_zst
@@ -183,8 +185,8 @@ def serve_all(
     prompts = next(
         iter(suites.prompts(suites.configured(params, drafter), drafter, readers, tok, []).values())
     )
-    stop = sorted(vllm.target_stop_ids(tok, folder))
-    serve = vllm.ServeConfig(
+    stop = sorted(target_stop_ids(tok, folder))
+    serve = ServeConfig(
         model=folder,
         served_name=spec.name,
         dtype=cfg["dtype"],
@@ -198,12 +200,12 @@ def serve_all(
     out: dict = {"prompts": len(prompts), "steps": steps}
     plain, greedy_tps = None, None
     if greedy_check:
-        with vllm.Engine(serve) as engine:
+        with Engine(serve) as engine:
             plain = evaluate_engine.run(engine, serve.served_name, prompts, new, stop, conc)
         greedy_tps = plain["tokens"] / plain["seconds"]
     for name, path in exports.items():
         spec_serve = dataclasses.replace(serve, speculative=speculative.eagle3(path, steps))
-        with vllm.Engine(spec_serve) as e:
+        with Engine(spec_serve) as e:
             r = evaluate_engine.run(e, serve.served_name, prompts, new, stop, conc)
         m = r["counters"].summary()
         if plain:

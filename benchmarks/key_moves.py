@@ -45,7 +45,7 @@ EDITS = [
     ),
     (
         "vLLM start-up timeout",
-        "engines/vllm.py",
+        "engines/vllm/server.py",
         "startup_timeout_s: float = 900.0",
         "startup_timeout_s: float = 1800.0",
     ),

@@ -25,7 +25,9 @@ from pathlib import Path
 
 import torch
 
-from eaglet.engines.vllm import Engine, ServeConfig, target_stop_ids
+from eaglet.engines.vllm.config import ServeConfig
+from eaglet.engines.vllm.generate import target_stop_ids
+from eaglet.engines.vllm.server import Engine
 from eaglet.formats.chat import prompt_ids
 from eaglet.formats.drafter import load_drafter
 from eaglet.formats.io import read_jsonl

@@ -235,7 +235,8 @@ def operator_engine(spec, spool: Path, log: Path, connector: tuple[str, str], **
     examples/kimi-k2.5.params.yaml's comment says: extract_hidden_states for SGLang's default
     aux layers of 8 layers [1, 3, 4] as vLLM ids + 1 and N = 8, `connector` (class, module)
     writing to `spool`. `serve`: ServeConfig's sizes."""
-    from eaglet.engines.vllm import Engine, ServeConfig
+    from eaglet.engines.vllm.config import ServeConfig
+    from eaglet.engines.vllm.server import Engine
 
     config = ServeConfig.of(
         spec,

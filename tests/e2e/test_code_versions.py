@@ -94,7 +94,7 @@ def test_plumbing_edits_move_no_key_and_pass_the_guard(clone):
     _edit(e / "engines/http.py", "POOL_CONNECTIONS = 16", "POOL_CONNECTIONS = 32")
     _edit(e / "model/target.py", "not a model folder (no config.json)", "no config.json here")
     _edit(
-        e / "engines/vllm.py",
+        e / "engines/vllm/server.py",
         "startup_timeout_s: float = 900.0",
         "startup_timeout_s: float = 1800.0",
     )

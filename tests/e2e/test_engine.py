@@ -20,7 +20,8 @@ import psutil
 import pytest
 import torch
 
-from eaglet.engines.vllm import Engine, ServeConfig
+from eaglet.engines.vllm.config import ServeConfig
+from eaglet.engines.vllm.server import Engine
 from eaglet.errors import EagletError
 from eaglet.formats import exports
 from eaglet.formats.drafter import load_drafter
@@ -84,7 +85,8 @@ def test_start_up_timeout_stops_the_server(tmp_path):
 
 STAGE = """
 import sys, time
-from eaglet.engines.vllm import Engine, ServeConfig
+from eaglet.engines.vllm.config import ServeConfig
+from eaglet.engines.vllm.server import Engine
 with Engine(ServeConfig(model=sys.argv[1], threads=1)):
     time.sleep(600)
 """

@@ -436,7 +436,7 @@ def test_vllm_states_equal_the_transformers_backend_on_the_miniature(kimi, proje
 def test_an_engine_that_drops_the_final_layer_is_stopped_by_the_probe(kimi, tmp_path):
     """An operator's engine whose connector drops id N (vLLM before PR #46973 on DeepSeek-family
     models): the hidden stage's probe stops it, naming the vLLM version that captures it."""
-    from eaglet.engines.vllm import VLLMHidden
+    from eaglet.engines.vllm.hidden import VLLMHidden
 
     spool = tmp_path / "spool"
     spool.mkdir()

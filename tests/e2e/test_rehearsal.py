@@ -31,7 +31,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from eaglet.engines.vllm import PROBE_IDS
+from eaglet.engines.vllm.hidden import PROBE_IDS
 from eaglet.formats.datasets import BadRow, to_messages
 from eaglet.formats.readers import iter_rows
 from eaglet.graph.keys import Keys

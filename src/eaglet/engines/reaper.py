@@ -2,8 +2,8 @@
 
     python -m eaglet.engines.reaper OWNER_PID [SCRATCH_DIR] -- COMMAND...
 
-Started by eaglet.engines.vllm as the leader of a new process group: the server runs in that
-group, and so do its workers. The reaper polls its parent; once the owner is gone (even by
+Started by eaglet.engines.vllm.server as the leader of a new process group: the server runs in
+that group, and so do its workers. The reaper polls its parent; once the owner is gone (even by
 SIGKILL, which runs no exit code in the owner), it sends SIGTERM to the server, waits, then
 SIGKILLs the whole group, after removing the server's scratch directory (the hidden-states
 spool) if one was named. It ignores SIGTERM itself, so a SIGTERM to the group (the owner's own

@@ -2,7 +2,7 @@
 with (`eagle3`, `dflash`: what `--speculative-config` gets) and the counters its `GET /metrics`
 exposes (`spec_counters`, `SpecCounters.summary`: acceptance length and per-position rates).
 Pure functions over text and dicts: the evaluate stage's kernel holds them, and the engine
-(eaglet.engines.vllm) only serves and returns the text.
+(eaglet.engines.vllm.server) only serves and returns the text.
 """
 
 from __future__ import annotations

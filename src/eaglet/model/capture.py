@@ -1,9 +1,9 @@
 """What the target's hidden states are, whichever engine captures them: the pure pieces the
 engines call, so that the hidden stage's kernel holds them and no engine code.
 
-vLLM (`eaglet.engines.vllm.VLLMHidden`) is asked for the layers `vllm_layers` names (SGLang id
-+ 1, and N, the final layer, stored before the final norm) and reads each back at its position;
-`rms_norm` is the target's final norm applied to that last slot. transformers
+vLLM (`eaglet.engines.vllm.hidden.VLLMHidden`) is asked for the layers `vllm_layers` names
+(SGLang id + 1, and N, the final layer, stored before the final norm) and reads each back at its
+position; `rms_norm` is the target's final norm applied to that last slot. transformers
 (`eaglet.engines.transformers.TransformersHidden`) runs `right_padded` batches and cuts each
 sequence's states out with `unbatched`.
 """

@@ -71,7 +71,8 @@ def test_vllm_serves_an_eagle31_export_as_eaglet_decodes_it(tiny_drafter, tmp_pa
     the engine's greedy text is the target's plain greedy text, and its counters are those of
     eaglet's own speculative decoding with the same weights: the same drafts, acceptance length
     and rate per position, so the engine computes the drafts eaglet's math makes."""
-    from eaglet.engines.vllm import Engine, ServeConfig
+    from eaglet.engines.vllm.config import ServeConfig
+    from eaglet.engines.vllm.server import Engine
     from eaglet.formats.speculative import eagle3
     from eaglet.stages.evaluate import engine as evaluate_engine
     from eaglet.stages.export import kernel as export_kernel

@@ -21,7 +21,8 @@ from typing import TYPE_CHECKING
 
 import httpx
 
-from eaglet.engines.vllm import Engine, ServeConfig
+from eaglet.engines.vllm.config import ServeConfig
+from eaglet.engines.vllm.server import Engine
 from eaglet.errors import EagletError
 from eaglet.formats.metrics import EngineInfo, Runs, Startup, run_of
 from eaglet.formats.speculative import dflash, eagle3, spec_counters

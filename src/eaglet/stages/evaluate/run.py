@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 
 from eaglet.atomic import atomic_path
-from eaglet.engines.vllm import target_stop_ids
+from eaglet.engines.vllm.generate import target_stop_ids
 from eaglet.errors import EagletError
 from eaglet.formats.chat import stop_ids
 from eaglet.formats.drafter import load_drafter

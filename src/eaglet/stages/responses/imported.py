@@ -104,6 +104,28 @@ def _finish(row: dict) -> str:
     return str(value) if value else "stop"
 
 
+def _output_ids(row: dict) -> list[int] | None:
+    output_ids = row.get("output_ids")
+    if output_ids is not None and not (
+        isinstance(output_ids, list) and all(isinstance(i, int) for i in output_ids)
+    ):
+        raise BadRow("output_ids: expected a list of integers")
+    return output_ids
+
+
+def _server_tokens(row: dict, usage: dict, meta: dict) -> int | None:
+    """The file's own count of the generated tokens, if it gives one."""
+    counts = (
+        row.get("completion_tokens"),
+        usage.get("completion_tokens"),
+        meta.get("completion_tokens"),
+    )
+    server = next((v for v in counts if v is not None), None)
+    if server is not None and (not isinstance(server, int) or server < 0):
+        raise BadRow(f"completion_tokens: expected a count, got {server!r}")
+    return server
+
+
 def normalize(row: dict, prompts: dict[str, list], count) -> tuple[str, list[dict], dict]:
     """One foreign line -> (schema, prompt messages, store result); raises BadRow."""
     convo = _conversation(row)
@@ -122,26 +144,9 @@ def normalize(row: dict, prompts: dict[str, list], count) -> tuple[str, list[dic
     prompt = prompt_of(convo)
     usage = row.get("usage") if isinstance(row.get("usage"), dict) else {}
     meta = row.get("meta_info") if isinstance(row.get("meta_info"), dict) else {}
-    output_ids = row.get("output_ids")
-    if output_ids is not None and not (
-        isinstance(output_ids, list) and all(isinstance(i, int) for i in output_ids)
-    ):
-        raise BadRow("output_ids: expected a list of integers")
+    output_ids = _output_ids(row)
     schema = "sglang" if output_ids is not None or meta else "openai"
-    server = next(
-        (
-            v
-            for v in (
-                row.get("completion_tokens"),
-                usage.get("completion_tokens"),
-                meta.get("completion_tokens"),
-            )
-            if v is not None
-        ),
-        None,
-    )
-    if server is not None and (not isinstance(server, int) or server < 0):
-        raise BadRow(f"completion_tokens: expected a count, got {server!r}")
+    server = _server_tokens(row, usage, meta)
     tokens = len(output_ids) if output_ids is not None else server
     if tokens is None:
         tokens = count((reasoning or "") + answer)

@@ -57,28 +57,13 @@ def plan_output(job: Job, store: Store) -> dict:
     failed, missing, first_error = 0, 0, None
     for chunk in job.conversations(store):
         for conv in chunk:
-            ok: list[tuple[Turn, dict]] = []
-            lacking = Counter()
-            for turn, row in conv:
-                if rejected(row, job.prompt_limit):
-                    kind = row["rejected"]["kind"]
-                    excluded[kind] += 1
-                    first_rejection.setdefault(kind, f"{turn.id}: {row['error']}")
-                elif row is None or row["status"] == "rejected":
-                    lacking["missing"] += 1
-                elif row["status"] != "ok":
-                    lacking["failed"] += 1
-                    first_error = first_error or f"{turn.id}: {row['error']}"
-                else:
-                    ok.append((turn, row))
+            ok, lacking, error = _sort_turns(job, conv, excluded, first_rejection)
+            first_error = first_error or error
             # a conversation's known answers past a budget end the prefix before it, turns
             # not asked yet included (dispatch stops there too)
             t = sum(row["completion_tokens"] for _, row in ok)
             c = sum(row["cost"] or 0.0 for _, row in ok)
-            if job.token_budget is not None and spent + t > job.token_budget:
-                stopped_by = "token_budget"
-            elif job.max_cost_usd is not None and cost + c > job.max_cost_usd:
-                stopped_by = "max_cost_usd"
+            stopped_by = _past_budget(job, spent + t, cost + c)
             if stopped_by:
                 break
             failed, missing = failed + lacking["failed"], missing + lacking["missing"]
@@ -88,36 +73,83 @@ def plan_output(job: Job, store: Store) -> dict:
             if any(row["cost"] is not None for _, row in ok):
                 cost += c
                 st["cost"] = cost
-            kept = 0
-            for turn, row in ok:
-                if row["result"]["finish_reason"] == "length":
-                    truncated["kept" if job.truncated == "keep" else "dropped"] += 1
-                    if len(truncated["first"]) < 5:
-                        truncated["first"].append(turn.id)
-                if dropped(job, row):
-                    continue
-                kept += 1
-                st["completion_tokens"] += row["completion_tokens"]
-                st["prompt_tokens"] += row["result"]["prompt_tokens"] or 0
-                finish[row["result"]["finish_reason"]] += 1
-            st["responses"] += kept
-            st["conversations"] += kept > 0
+            _count_kept(job, ok, st, finish, truncated)
         if stopped_by:
             break
-    if failed or missing:
-        what = []
-        if failed:
-            what.append(f"{failed} failed (first: {first_error})")
-        if missing:
-            what.append(f"{missing} not generated")
-        raise EagletError(
-            f"responses {job.dataset}: prompts without an answer: {'; '.join(what)}; "
-            "rerun `eaglet generate` to retry them"
-        )
+    _check_answered(job, failed, missing, first_error)
     out = {**st, "finish_reasons": dict(finish), "stopped_by": stopped_by, "truncated": truncated}
     out["rejected"] = {"api": excluded["api"], "too_long": excluded["too_long"]}
     out["first_rejected"] = first_rejection
     return out
+
+
+def _sort_turns(
+    job: Job, conv: list[tuple[Turn, dict | None]], excluded: Counter, first_rejection: dict
+) -> tuple[list[tuple[Turn, dict]], Counter, str | None]:
+    """A conversation's answered turns, how many lack an answer (failed, missing) and the first
+    failure; its excluded turns are counted into `excluded`, the first of each kind kept in
+    `first_rejection`."""
+    ok: list[tuple[Turn, dict]] = []
+    lacking: Counter = Counter()
+    first_error = None
+    for turn, row in conv:
+        if rejected(row, job.prompt_limit):
+            kind = row["rejected"]["kind"]
+            excluded[kind] += 1
+            first_rejection.setdefault(kind, f"{turn.id}: {row['error']}")
+        elif row is None or row["status"] == "rejected":
+            lacking["missing"] += 1
+        elif row["status"] != "ok":
+            lacking["failed"] += 1
+            first_error = first_error or f"{turn.id}: {row['error']}"
+        else:
+            ok.append((turn, row))
+    return ok, lacking, first_error
+
+
+def _past_budget(job: Job, tokens: int, cost: float) -> str | None:
+    """The dataset's budget a prefix of `tokens` and `cost` passes, if any."""
+    if job.token_budget is not None and tokens > job.token_budget:
+        return "token_budget"
+    if job.max_cost_usd is not None and cost > job.max_cost_usd:
+        return "max_cost_usd"
+    return None
+
+
+def _count_kept(
+    job: Job, ok: list[tuple[Turn, dict]], st: dict, finish: Counter, truncated: dict
+) -> None:
+    """Count a conversation of the prefix into the stats: the answers it keeps, and those cut
+    at max_new_tokens (kept or dropped, `truncated`)."""
+    kept = 0
+    for turn, row in ok:
+        if row["result"]["finish_reason"] == "length":
+            truncated["kept" if job.truncated == "keep" else "dropped"] += 1
+            if len(truncated["first"]) < 5:
+                truncated["first"].append(turn.id)
+        if dropped(job, row):
+            continue
+        kept += 1
+        st["completion_tokens"] += row["completion_tokens"]
+        st["prompt_tokens"] += row["result"]["prompt_tokens"] or 0
+        finish[row["result"]["finish_reason"]] += 1
+    st["responses"] += kept
+    st["conversations"] += kept > 0
+
+
+def _check_answered(job: Job, failed: int, missing: int, first_error: str | None) -> None:
+    """Raise when turns of the prefix have no answer: `failed` and `missing` of them."""
+    if not (failed or missing):
+        return
+    what = []
+    if failed:
+        what.append(f"{failed} failed (first: {first_error})")
+    if missing:
+        what.append(f"{missing} not generated")
+    raise EagletError(
+        f"responses {job.dataset}: prompts without an answer: {'; '.join(what)}; "
+        "rerun `eaglet generate` to retry them"
+    )
 
 
 def output_records(job: Job, store: Store, n: int) -> Iterator[dict]:
