@@ -127,6 +127,28 @@ def hyper(**over):
     return TrainHyper.of(HP | over)
 
 
+def evaluate_settings(**over):
+    """Evaluate settings for a tiny engine run (one greedy pass, fp32 on CPU), with `over`."""
+    from eaglet.stages.evaluate.spec import EvaluateSettings
+
+    base = dict(
+        num_steps=(3,),
+        prompts=2,
+        temperatures=(0.0,),
+        seed=0,
+        max_new_tokens=8,
+        dtype="float32",
+        device="cpu",
+        engine="vllm",
+        engine_concurrency=1,
+        engine_eager=True,
+        engine_tensor_parallel_size=1,
+        engine_extra_args=(),
+        in_process=False,
+    )
+    return EvaluateSettings(**(base | over))
+
+
 def fit_tiny(bundle: dict, out: Path, draft_vocab: int = 256, init=None, **hp) -> dict:
     """Train a drafter on a tiny-target bundle with eaglet.stages.train.kernel.fit (from the drafter
     `init`, when given); return its stats."""

@@ -17,6 +17,8 @@ from eaglet.model.dflash.train import Hyper, fit, init
 from eaglet.model.target import materialize, resolve
 from eaglet.stages.vocab import kernel as vocab_kernel
 
+from ..hidden_fixture import evaluate_settings
+
 QUESTIONS = [
     "Is it safe to put a cast iron pan in the dishwasher?",
     "What is the capital of France?",
@@ -80,7 +82,6 @@ def test_evaluate_measures_a_trained_dflash_export_on_stock_vllm(tmp_path):
 
     from eaglet.stages.evaluate import engine as evaluate_engine
     from eaglet.stages.evaluate import kernel as evaluate_kernel
-    from eaglet.stages.evaluate.spec import EvaluateSettings
 
     torch.manual_seed(0)
     folder = materialize(resolve("smollm2-135m-instruct"))
@@ -129,20 +130,8 @@ def test_evaluate_measures_a_trained_dflash_export_on_stock_vllm(tmp_path):
     own = 1 + sum(rounds) / len(rounds)
     per_position = [sum(n >= j for n in rounds) / len(rounds) for j in range(1, BLOCK)]
 
-    cfg = EvaluateSettings(
-        num_steps=(1, 5),  # EAGLE-3's lists: a DFlash drafter drafts block_size - 1
-        prompts=len(samples),
-        temperatures=(0.0,),
-        seed=0,
-        max_new_tokens=NEW,
-        dtype="float32",
-        device="cpu",
-        engine="vllm",
-        engine_concurrency=1,
-        engine_eager=True,
-        engine_tensor_parallel_size=1,
-        engine_extra_args=(),
-        in_process=False,
+    cfg = evaluate_settings(  # EAGLE-3's lists: a DFlash drafter drafts block_size - 1
+        num_steps=(1, 5), prompts=len(samples), max_new_tokens=NEW
     )
     spec = SimpleNamespace(name="dflash", values=SimpleNamespace(settings=cfg))
     setup = SimpleNamespace(

@@ -64,9 +64,8 @@ def test_the_stage_writes_a_dflash_drafters_engine_metrics(tmp_path, monkeypatch
     from eaglet.errors import EagletError
     from eaglet.model.dflash.config import DFlashConfig
     from eaglet.model.dflash.train import Hyper, fit, init
-    from eaglet.stages.evaluate.spec import EvaluateSettings
 
-    from ...hidden_fixture import TINY, bundle
+    from ...hidden_fixture import TINY, bundle, evaluate_settings
 
     data = bundle(n=3, new_tokens=8)
     cfg = DFlashConfig.from_target(TINY, target_layer_ids=[1, 3, 4], mask_token_id=5, block_size=4)
@@ -84,21 +83,7 @@ def test_the_stage_writes_a_dflash_drafters_engine_metrics(tmp_path, monkeypatch
     monkeypatch.setattr(evaluate_run.hidden_read, "split", lambda readers, f: ([], []))
     monkeypatch.setattr(evaluate_run.hidden_read, "close_readers", lambda readers: None)
     monkeypatch.setattr(evaluate_run, "measure_suites", measured)
-    settings = EvaluateSettings(
-        num_steps=(3, 7),
-        prompts=2,
-        temperatures=(0.0,),
-        seed=0,
-        max_new_tokens=8,
-        dtype="float32",
-        device="cpu",
-        engine="vllm",
-        engine_concurrency=1,
-        engine_eager=True,
-        engine_tensor_parallel_size=1,
-        engine_extra_args=(),
-        in_process=True,
-    )
+    settings = evaluate_settings(num_steps=(3, 7), in_process=True)
     spec = SimpleNamespace(
         name="d",
         values=SimpleNamespace(settings=settings, heldout_fraction=0.1),
